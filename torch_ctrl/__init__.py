@@ -1,0 +1,48 @@
+"""torch_ctrl: fast, debuggable control-plane collectives over torch.distributed stores.
+
+``import torch_ctrl`` registers ``torch.distributed.StoreCollectives`` and
+``torch.distributed.ControlCollectives`` (see :func:`register`).
+"""
+
+from __future__ import annotations
+
+from .base import ControlCollectives
+from .errors import (
+    CollectiveAbortedError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    KeyReusedError,
+)
+from .loader import StoreCollectives, backend, import_error
+from .store_collectives import PyStoreCollectives
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveAbortedError",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "ControlCollectives",
+    "KeyReusedError",
+    "PyStoreCollectives",
+    "StoreCollectives",
+    "backend",
+    "import_error",
+    "register",
+]
+
+
+def register() -> None:
+    """Make ``torch.distributed.StoreCollectives`` and ``torch.distributed.ControlCollectives``
+    torch_ctrl's classes. Idempotent; ``import torch_ctrl`` calls it.
+
+    torch's own private classes stay available as ``torch.distributed._StoreCollectives``
+    and ``torch.distributed._ControlCollectives``; nothing of torch is replaced.
+    """
+    import torch.distributed as dist
+
+    dist.StoreCollectives = StoreCollectives  # type: ignore[attr-defined]
+    dist.ControlCollectives = ControlCollectives  # type: ignore[attr-defined]
+
+
+register()

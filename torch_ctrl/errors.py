@@ -1,0 +1,101 @@
+"""Exceptions raised by the collectives, and their one-line messages.
+
+All of them subclass :class:`torch.distributed.DistStoreError`, so code written
+for torch's store errors keeps catching them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch.distributed as dist
+
+MAX_LISTED = 16
+
+
+class CollectiveError(dist.DistStoreError):
+    """A collective failed for a reason other than a timeout or an abort."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective did not complete within its timeout.
+
+    Attributes: ``op``, ``key``, ``arrived`` (or None when unknown), ``world_size``
+    and ``missing`` (ranks known not to have arrived; empty when unknown).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        op: str = "",
+        key: str = "",
+        arrived: int | None = None,
+        world_size: int = 0,
+        missing: list[int] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.op = op
+        self.key = key
+        self.arrived = arrived
+        self.world_size = world_size
+        self.missing = list(missing or [])
+
+
+class CollectiveAbortedError(CollectiveError):
+    """The group was aborted (by a rank's ``abort()`` or because a rank died).
+
+    Attributes: ``rank`` (the rank that aborted or was found dead) and ``reason``.
+    """
+
+    def __init__(self, message: str, rank: int = -1, reason: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.reason = reason
+
+
+class KeyReusedError(ValueError, RuntimeError):
+    """An explicit key was used twice on one instance (also a RuntimeError, like torch's)."""
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``[0, 2, 3]``, or the first 16 and ``and N more``."""
+    ranks = sorted(ranks)
+    shown = ", ".join(str(r) for r in ranks[:MAX_LISTED])
+    if len(ranks) > MAX_LISTED:
+        return f"[{shown}] and {len(ranks) - MAX_LISTED} more"
+    return f"[{shown}]"
+
+
+def one_line(text: str) -> str:
+    """First line of a store error, without C++ frames ("Exception raised from ...")."""
+    line = str(text).strip().splitlines()[0] if str(text).strip() else ""
+    return line.split(" Exception raised from ")[0].strip()
+
+
+def timeout_error(
+    op: str,
+    key: str,
+    seconds: float,
+    world_size: int,
+    arrived: int | None = None,
+    missing: list[int] | None = None,
+    detail: str = "",
+) -> CollectiveTimeoutError:
+    """Build the one-line timeout error of ``op``."""
+    msg = f"{op} {key!r} timed out after {seconds:g}s"
+    if arrived is not None:
+        msg += f": {arrived}/{world_size} ranks arrived"
+        if missing:
+            msg += f"; missing ranks: {format_ranks(missing)}"
+    if detail:
+        msg += f"{';' if arrived is not None else ':'} {detail}"
+    return CollectiveTimeoutError(
+        msg, op=op, key=key, arrived=arrived, world_size=world_size, missing=missing
+    )
+
+
+def aborted_error(op: str, key: str, rank: int, reason: str) -> CollectiveAbortedError:
+    """Build the one-line abort error of ``op``."""
+    why = reason or "no reason given"
+    msg = f"{op} {key!r}: group aborted by rank {rank}: {why}"
+    return CollectiveAbortedError(msg, rank=rank, reason=reason)

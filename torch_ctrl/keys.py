@@ -1,0 +1,117 @@
+"""The protocol's key layout and value encodings: the one place that defines them.
+
+Every store key torch_ctrl writes has the form::
+
+    torch_ctrl/1/w{world_size}/{token}/{field}
+
+* ``1`` is the protocol version (bumped on any incompatible change).
+* ``w{world_size}`` separates groups of different sizes sharing one store.
+* ``{token}`` names one collective:
+
+  - ``k`` + the user's key, percent-encoded (every byte outside ``[A-Za-z0-9._-]``
+    becomes ``%XX``), so no user key can contain ``/`` and no two user keys map to
+    the same token;
+  - ``h`` + the SHA-256 of the user's key when the encoded key is longer than
+    :data:`MAX_TOKEN`, to keep store keys short;
+  - ``s`` + a per-instance sequence number for keyless calls (``key=None``).
+
+  The three prefixes are disjoint, so user keys never collide with automatic
+  keys or with each other.
+* ``{field}`` is one of the short names below.
+
+Group-wide keys (abort notice, heartbeats) live under ``torch_ctrl/1/w{world_size}/_``.
+The C++ twin of this module is ``csrc/keys.h``; keep them identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+PROTOCOL = "torch_ctrl/1"
+MAX_TOKEN = 160
+
+# Fields of one collective.
+ARRIVE = "n"  # arrival counter (add); native TCPStore barrier counter
+DONE = "d"  # done flag / broadcast payload (tagged value)
+LOG = "g"  # append-only log of frames (all_gather, all_sum)
+NAMES = "a"  # append-only log of "rank," written by ranks blocked past the grace period
+EXIT = "x"  # exit counter: the rank that brings it to the expected count deletes the keys
+
+# Value tags: the first byte of every single-value key.
+TAG_DATA = b"D"
+TAG_ABORT = b"A"
+
+# Added to a barrier counter to release native-barrier waiters on abort.
+ABORT_BIAS = 1 << 40
+
+# compare_set with this expected value never matches a tagged value or a counter,
+# so it reads a key without writing it (and returns MISSING when the key is absent).
+MISSING = b"\x01"
+NEVER = b"\x02"
+
+_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def group_root(world_size: int) -> str:
+    """Prefix of every key of the group of ``world_size`` ranks."""
+    return f"{PROTOCOL}/w{world_size}"
+
+
+def escape(key: str) -> str:
+    """Percent-encode ``key`` (UTF-8) so that it contains no ``/``: injective."""
+    raw = key.encode("utf-8", "surrogatepass")
+    return "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in raw)
+
+
+def token(key: str | None, seq: int) -> str:
+    """The token naming one collective: from the user's key, or the sequence number."""
+    if key is None:
+        return f"s{seq}"
+    enc = escape(key)
+    if len(enc) > MAX_TOKEN:
+        return "h" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    return "k" + enc
+
+
+def op_prefix(world_size: int, key: str | None, seq: int) -> str:
+    """``torch_ctrl/1/w{N}/{token}``: the prefix of one collective's keys."""
+    return f"{group_root(world_size)}/{token(key, seq)}"
+
+
+def field(prefix: str, name: str) -> str:
+    """One key of a collective."""
+    return f"{prefix}/{name}"
+
+
+def rank_slot(prefix: str, rank: int) -> str:
+    """Per-rank slot of a collective (gather, scatter): ``{prefix}/r{rank}``."""
+    return f"{prefix}/r{rank}"
+
+
+def group_key(world_size: int, name: str) -> str:
+    """Group-wide key (abort notice, heartbeats)."""
+    return f"{group_root(world_size)}/_/{name}"
+
+
+def frame(rank: int, payload: bytes) -> bytes:
+    """One log entry: ``b"{rank}:{len}:" + payload``; rank -1 marks an abort notice."""
+    return b"%d:%d:" % (rank, len(payload)) + payload
+
+
+def parse_frames(log: bytes) -> list[tuple[int, bytes]]:
+    """Split a log into ``(rank, payload)`` entries, in append order."""
+    out: list[tuple[int, bytes]] = []
+    pos, end = 0, len(log)
+    while pos < end:
+        c1 = log.index(b":", pos)
+        c2 = log.index(b":", c1 + 1)
+        rank, size = int(log[pos:c1]), int(log[c1 + 1 : c2])
+        start = c2 + 1
+        out.append((rank, bytes(log[start : start + size])))
+        pos = start + size
+    return out
+
+
+def parse_names(log: bytes) -> set[int]:
+    """Ranks listed in a NAMES log (``b"0,3,"``)."""
+    return {int(x) for x in log.split(b",") if x}

@@ -1,0 +1,158 @@
+"""Lanes: the store handles a collective talks through.
+
+A TCPStore client holds its lock across a blocking ``wait``/``get``, so two
+threads sharing one client serialize and can deadlock until timeout. Each
+concurrent caller therefore takes its own *lane*: a ``clone()`` of the user's
+store (a new connection) when the store is backed by TCPStore or FileStore.
+Lanes are ours, so a blocking call may set the lane's timeout; the user's store
+object is never used for traffic and its timeout is never touched.
+
+Stores whose clones share state with the original (HashStore, Python stores, a
+PrefixStore over them) are used directly ("shared" mode): they must be thread
+safe, and blocking reads become ``wait(keys, timeout)`` followed by a read, so
+that no timeout is ever set on them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from . import keys as K
+
+_TICK = 0.001  # smallest timeout handed to a store (0 means "forever" to some stores)
+
+
+def base_store(store: dist.Store) -> dist.Store:
+    """The store under any number of PrefixStores."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+class Lane:
+    """One store handle, used by one caller at a time."""
+
+    def __init__(self, store: dist.Store, owned: bool, native_barrier: bool, extended: bool) -> None:
+        self.store = store
+        self.owned = owned
+        self.native_barrier = native_barrier
+        self.extended = extended
+        self._timeout: float | None = None
+
+    # -- plain calls ---------------------------------------------------------
+    def set(self, key: str, value: bytes) -> None:
+        self.store.set(key, value)
+
+    def add(self, key: str, value: int) -> int:
+        return int(self.store.add(key, value))
+
+    def delete(self, key: str) -> None:
+        self.store.delete_key(key)
+
+    def peek(self, key: str) -> bytes | None:
+        """Read ``key`` without waiting or writing; ``None`` when it does not exist."""
+        value = bytes(self.store.compare_set(key, K.MISSING, K.NEVER))
+        return None if value == K.MISSING else value
+
+    def append(self, key: str, value: bytes) -> None:
+        """Atomic append; emulated with compare_set where the store lacks it."""
+        if self.extended:
+            self.store.append(key, value)
+            return
+        expected, desired = b"", value
+        while True:
+            current = bytes(self.store.compare_set(key, expected, desired))
+            if current == desired:
+                return
+            expected, desired = current, current + value
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
+        if self.extended:
+            self.store.multi_set(list(keys), list(values))
+        else:
+            for k, v in zip(keys, values):
+                self.store.set(k, v)
+
+    # -- blocking calls: ``seconds`` is the time left until the op's deadline --
+    def _arm(self, seconds: float) -> None:
+        seconds = max(seconds, _TICK)
+        if self._timeout != seconds:
+            self.store.set_timeout(timedelta(seconds=seconds))
+            self._timeout = seconds
+
+    def wait(self, keys: Sequence[str], seconds: float) -> None:
+        self.store.wait(list(keys), timedelta(seconds=max(seconds, _TICK)))
+
+    def get(self, key: str, seconds: float) -> bytes:
+        """Wait for ``key`` and read it (one call on an owned lane)."""
+        if self.owned:
+            self._arm(seconds)
+        else:
+            self.wait([key], seconds)
+        return bytes(self.store.get(key))
+
+    def multi_get(self, keys: Sequence[str], seconds: float) -> list[bytes]:
+        """Wait for all ``keys`` and read them."""
+        if self.owned and self.extended:
+            self._arm(seconds)
+            return [bytes(v) for v in self.store.multi_get(list(keys))]
+        self.wait(keys, seconds)
+        if self.extended:
+            return [bytes(v) for v in self.store.multi_get(list(keys))]
+        return [bytes(self.store.get(k)) for k in keys]
+
+    def barrier(self, key: str, world_size: int, seconds: float) -> None:
+        """TCPStore's server-side barrier: add 1 to ``key``, wait until it reaches ``world_size``."""
+        self.store.barrier(key, world_size, timedelta(seconds=max(seconds, _TICK)))
+
+    def list_keys(self) -> list[str] | None:
+        try:
+            return list(self.store.list_keys())
+        except Exception:  # noqa: BLE001 - optional API
+            return None
+
+
+class Lanes:
+    """A pool of lanes over one user store: one lane per concurrent caller."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        base = base_store(store)
+        # Clones of TCPStore/FileStore are independent handles; others share state.
+        self.owned = isinstance(base, (dist.TCPStore, dist.FileStore))
+        # Server-side barrier only on a TCPStore passed directly: both
+        # implementations must take the same path for a given store.
+        self.native_barrier = isinstance(store, dist.TCPStore)
+        try:
+            self.extended = bool(store.has_extended_api())
+        except Exception:  # noqa: BLE001 - Python stores may not implement it
+            self.extended = False
+        self._free: list[Lane] = []
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Lane:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        handle = self.store.clone() if self.owned else self.store
+        return Lane(handle, self.owned, self.native_barrier, self.extended)
+
+    def release(self, lane: Lane) -> None:
+        with self._lock:
+            self._free.append(lane)
+
+    @contextmanager
+    def lane(self) -> Iterator[Lane]:
+        """Borrow a lane; one that saw an error is dropped, not reused."""
+        lane = self.acquire()
+        yield lane
+        self.release(lane)
+
+    def close(self) -> None:
+        with self._lock:
+            self._free.clear()

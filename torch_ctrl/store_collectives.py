@@ -1,0 +1,359 @@
+"""``PyStoreCollectives``: the pure-Python implementation of the protocol.
+
+``csrc/store_collectives.cpp`` implements the same protocol with the same
+structure and names; ``docs/protocol.md`` is the contract both follow. Read the
+two side by side.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from . import keys as K
+from .base import (
+    DEFAULT_TIMEOUT,
+    ControlCollectives,
+    Data,
+    Timeout,
+    check_init,
+    check_key,
+    to_bytes,
+    to_bytes_list,
+    to_int64,
+    to_seconds,
+    wrap_int64,
+)
+from .errors import (
+    CollectiveError,
+    KeyReusedError,
+    aborted_error,
+    one_line,
+    timeout_error,
+)
+from .lanes import Lane, Lanes
+from .watcher import Watcher
+
+
+@dataclass
+class _Op:
+    """One collective call: its name, the user's key, its key prefix and deadline."""
+
+    name: str
+    label: str
+    prefix: str
+    seconds: float
+    deadline: float
+
+    def key(self, name: str) -> str:
+        return K.field(self.prefix, name)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class PyStoreCollectives(ControlCollectives):
+    """Store-backed collectives, pure Python. Thread safe; see ``docs/protocol.md``."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+        self._rank, self._world = check_init(store, rank, world_size)
+        self._store = store
+        self._lanes = Lanes(store)
+        self._watcher = Watcher(self._lanes, self._rank)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._used: set[str] = set()
+
+    # ------------------------------------------------------------------ public
+    @property
+    def rank(self) -> int:
+        """This instance's rank."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the group."""
+        return self._world
+
+    def barrier(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT, block: bool = True) -> None:
+        op = self._begin("barrier", key, timeout)
+        if self._world == 1:
+            return
+        with self._lanes.lane() as lane:
+            if block:
+                self._arrive(op, lane)
+                if lane.native_barrier:
+                    counter = lane.peek(op.key(K.ARRIVE))
+                    self._check_counter(op, counter)
+                    if self._rank == 0:
+                        self._delete_later([op.key(K.ARRIVE), op.key(K.NAMES)])
+                else:
+                    self._exit_later(op, self._world, [K.ARRIVE, K.DONE, K.NAMES])
+                return
+            count = lane.add(op.key(K.ARRIVE), 1)
+            if lane.native_barrier:
+                if count == self._world or self._rank == 0:
+                    self._delete_when_full(op)
+                return
+            if count == self._world:
+                lane.set(op.key(K.DONE), K.TAG_DATA)
+            self._exit_later(op, self._world, [K.ARRIVE, K.DONE, K.NAMES])
+
+    def broadcast_send(self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
+        payload = to_bytes(data)
+        op = self._begin("broadcast_send", key, timeout)
+        if self._world == 1:
+            return
+        with self._lanes.lane() as lane:
+            lane.set(op.key(K.DONE), K.TAG_DATA + payload)
+
+    def broadcast_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
+        op = self._begin("broadcast_recv", key, timeout)
+        with self._lanes.lane() as lane:
+            value = self._read(op, lane, op.key(K.DONE))
+        self._exit_later(op, self._world - 1, [K.DONE])
+        return value
+
+    def gather_send(self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
+        payload = to_bytes(data)
+        op = self._begin("gather_send", key, timeout)
+        with self._lanes.lane() as lane:
+            lane.set(K.rank_slot(op.prefix, self._rank), K.TAG_DATA + payload)
+
+    def gather_recv(
+        self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> list[bytes]:
+        payload = to_bytes(data)
+        op = self._begin("gather_recv", key, timeout)
+        others = [r for r in range(self._world) if r != self._rank]
+        slots = [K.rank_slot(op.prefix, r) for r in others]
+        values: list[bytes] = []
+        if slots:
+            with self._lanes.lane() as lane:
+                try:
+                    values = lane.multi_get(slots, op.left())
+                except Exception as exc:
+                    raise self._failure(op, exc) from None
+            values = [self._untag(op, v) for v in values]
+            self._delete_later(slots)
+        values.insert(self._rank, payload)
+        return values
+
+    def scatter_send(
+        self, key: str | None = None, data: Sequence[Data] | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> bytes:
+        payloads = to_bytes_list(data, self._world)
+        op = self._begin("scatter_send", key, timeout)
+        others = [r for r in range(self._world) if r != self._rank]
+        if others:
+            with self._lanes.lane() as lane:
+                lane.multi_set(
+                    [K.rank_slot(op.prefix, r) for r in others], [K.TAG_DATA + payloads[r] for r in others]
+                )
+        return payloads[self._rank]
+
+    def scatter_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
+        op = self._begin("scatter_recv", key, timeout)
+        slot = K.rank_slot(op.prefix, self._rank)
+        with self._lanes.lane() as lane:
+            value = self._read(op, lane, slot)
+        self._delete_later([slot])
+        return value
+
+    def all_gather(
+        self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> list[bytes]:
+        payload = to_bytes(data)
+        op = self._begin("all_gather", key, timeout)
+        if self._world == 1:
+            return [payload]
+        entries = self._exchange(op, payload)
+        return [entries[r] for r in range(self._world)]
+
+    def all_sum(self, key: str | None = None, data: int | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> int:
+        value = to_int64(data)
+        op = self._begin("all_sum", key, timeout)
+        if self._world == 1:
+            return value
+        entries = self._exchange(op, b"%d" % value)
+        return wrap_int64(sum(int(v) for v in entries.values()))
+
+    def close(self, flush_timeout: float = 5.0) -> None:
+        """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections."""
+        self._watcher.close(flush_timeout)
+        self._lanes.close()
+
+    def __enter__(self) -> PyStoreCollectives:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self._rank}, world_size={self._world})"
+
+    # ----------------------------------------------------------------- internals
+    def _begin(self, name: str, key: object, timeout: object) -> _Op:
+        """Check the key and timeout, reserve the key, and make the op's prefix."""
+        user_key = check_key(key)
+        seconds = to_seconds(timeout)
+        with self._lock:
+            if user_key is None:
+                seq, self._seq = self._seq, self._seq + 1
+            else:
+                if user_key in self._used:
+                    raise KeyReusedError(f"{name}: key {user_key!r} has already been used on this instance")
+                self._used.add(user_key)
+                seq = -1
+        label = user_key if user_key is not None else f"#{seq}"
+        prefix = K.op_prefix(self._world, user_key, seq)
+        return _Op(name, label, prefix, seconds, time.monotonic() + seconds)
+
+    def _arrive(self, op: _Op, lane: Lane) -> None:
+        """Arrive at the op's barrier and wait for every rank (native or add/done)."""
+        counter = op.key(K.ARRIVE)
+        try:
+            if lane.native_barrier:
+                with self._watcher.blocked(op.key(K.NAMES), op.seconds):
+                    lane.barrier(counter, self._world, op.left())
+                return
+            if lane.add(counter, 1) == self._world:
+                lane.set(op.key(K.DONE), K.TAG_DATA)
+                return
+            with self._watcher.blocked(op.key(K.NAMES), op.seconds):
+                done = lane.get(op.key(K.DONE), op.left())
+        except Exception as exc:
+            raise self._failure(op, exc) from None
+        self._untag(op, done)
+
+    def _exchange(self, op: _Op, payload: bytes) -> dict[int, bytes]:
+        """all_gather/all_sum: append a frame to the log, arrive, read the whole log."""
+        log_key = op.key(K.LOG)
+        with self._lanes.lane() as lane:
+            lane.append(log_key, K.frame(self._rank, payload))
+            self._arrive(op, lane)
+            log = lane.peek(log_key) or b""
+        entries: dict[int, bytes] = {}
+        for rank, data in K.parse_frames(log):
+            if rank < 0:
+                self._raise_abort(op, data)
+            entries[rank] = data
+        self._exit_later(op, self._world, [K.LOG, K.ARRIVE, K.DONE, K.NAMES])
+        if len(entries) != self._world:
+            raise CollectiveError(
+                f"{op.name} {op.label!r}: expected {self._world} entries, found ranks "
+                f"{sorted(entries)} (is the key used by another group?)"
+            )
+        return entries
+
+    def _read(self, op: _Op, lane: Lane, key: str) -> bytes:
+        """Blocking read of one tagged value."""
+        try:
+            value = lane.get(key, op.left())
+        except Exception as exc:
+            raise self._failure(op, exc) from None
+        return self._untag(op, value)
+
+    def _untag(self, op: _Op, value: bytes) -> bytes:
+        if value[:1] == K.TAG_DATA:
+            return value[1:]
+        if value[:1] == K.TAG_ABORT:
+            self._raise_abort(op, value[1:])
+        raise CollectiveError(f"{op.name} {op.label!r}: unexpected value in the store (not written by torch_ctrl?)")
+
+    def _check_counter(self, op: _Op, counter: bytes | None) -> None:
+        if counter is not None and counter.lstrip(b"-").isdigit() and int(counter) >= K.ABORT_BIAS:
+            self._raise_abort(op, b"")
+
+    def _raise_abort(self, op: _Op, notice: bytes) -> None:
+        rank, _, reason = notice.decode("utf-8", "replace").partition(":")
+        raise aborted_error(op.name, op.label, int(rank) if rank.lstrip("-").isdigit() else -1, reason)
+
+    # -------------------------------------------------------------- diagnostics
+    def _failure(self, op: _Op, exc: BaseException) -> Exception:
+        """Turn a store exception into a one-line CollectiveTimeoutError or CollectiveError."""
+        text = one_line(str(exc))
+        if time.monotonic() < op.deadline - 0.01 and "timeout" not in text.lower():
+            return CollectiveError(f"{op.name} {op.label!r}: store error: {text}")
+        try:
+            with self._lanes.lane() as lane:
+                return self._timeout(op, lane)
+        except Exception as diag_exc:  # noqa: BLE001 - diagnostics must not hide the timeout
+            return timeout_error(op.name, op.label, op.seconds, self._world, detail=f"({one_line(str(diag_exc))})")
+
+    def _timeout(self, op: _Op, lane: Lane) -> Exception:
+        """Count who arrived (O(1) store reads) and name the missing ranks."""
+        if op.name in ("broadcast_recv", "scatter_recv"):
+            return timeout_error(op.name, op.label, op.seconds, self._world, detail="nothing was sent")
+        if op.name == "gather_recv":
+            present = self._present_slots(op, lane)
+        elif op.name in ("all_gather", "all_sum"):
+            present = {r for r, _ in K.parse_frames(lane.peek(op.key(K.LOG)) or b"") if r >= 0}
+        else:  # barrier
+            lane.append(op.key(K.NAMES), b"%d," % self._rank)
+            present = K.parse_names(lane.peek(op.key(K.NAMES)) or b"")
+            counter = lane.peek(op.key(K.ARRIVE))
+            arrived = int(counter) if counter is not None else len(present)
+            present.add(self._rank)
+            missing = [r for r in range(self._world) if r not in present]
+            return timeout_error(op.name, op.label, op.seconds, self._world, min(arrived, self._world), missing)
+        present.add(self._rank)
+        missing = [r for r in range(self._world) if r not in present]
+        return timeout_error(op.name, op.label, op.seconds, self._world, len(present), missing)
+
+    def _present_slots(self, op: _Op, lane: Lane) -> set[int]:
+        """Ranks whose gather slot exists: one list_keys, or one check per rank as a fallback."""
+        prefix = op.prefix + "/r"
+        names = lane.list_keys()
+        if names is not None:
+            found = set()
+            for name in names:
+                tail = name[name.find(prefix) + len(prefix) :] if prefix in name else ""
+                if tail.isdigit():
+                    found.add(int(tail))
+            return found
+        return {r for r in range(self._world) if r != self._rank and lane.store.check([K.rank_slot(op.prefix, r)])}
+
+    # ------------------------------------------------------------------ cleanup
+    def _delete_later(self, keys: list[str]) -> None:
+        def task(lane: Lane) -> None:
+            for key in keys:
+                lane.delete(key)
+
+        self._watcher.submit(task)
+
+    def _exit_later(self, op: _Op, expected: int, fields: list[str]) -> None:
+        """Count this rank out; the rank that completes the count deletes the op's keys."""
+        exit_key = op.key(K.EXIT)
+        keys = [op.key(f) for f in fields] + [exit_key]
+
+        def task(lane: Lane) -> None:
+            if lane.add(exit_key, 1) >= expected:
+                for key in keys:
+                    lane.delete(key)
+
+        self._watcher.submit(task)
+
+    def _delete_when_full(self, op: _Op) -> None:
+        """Non-blocking arrival at a native barrier: delete the counter once everyone arrived."""
+        counter, names, deadline = op.key(K.ARRIVE), op.key(K.NAMES), op.deadline
+        world = self._world
+
+        def task(lane: Lane) -> None:
+            pause = 0.01
+            while True:
+                value = lane.peek(counter)
+                if value is None or int(value) >= world:
+                    break
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
+            lane.delete(counter)
+            lane.delete(names)
+
+        self._watcher.submit(task)
