@@ -99,3 +99,13 @@ def aborted_error(op: str, key: str, rank: int, reason: str) -> CollectiveAborte
     why = reason or "no reason given"
     msg = f"{op} {key!r}: group aborted by rank {rank}: {why}"
     return CollectiveAbortedError(msg, rank=rank, reason=reason)
+
+
+def collective_error(op: str, key: str, detail: str) -> CollectiveError:
+    """Build the one-line error of ``op`` failing for another reason (store error, bad data)."""
+    return CollectiveError(f"{op} {key!r}: {detail}")
+
+
+def key_reused_error(op: str, key: str) -> KeyReusedError:
+    """An explicit key used twice on one instance."""
+    return KeyReusedError(f"{op}: key {key!r} has already been used on this instance")

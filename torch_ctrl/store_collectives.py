@@ -29,9 +29,9 @@ from .base import (
     wrap_int64,
 )
 from .errors import (
-    CollectiveError,
-    KeyReusedError,
     aborted_error,
+    collective_error,
+    key_reused_error,
     one_line,
     timeout_error,
 )
@@ -187,6 +187,11 @@ class PyStoreCollectives(ControlCollectives):
         self._watcher.close(flush_timeout)
         self._lanes.close()
 
+    def __del__(self) -> None:
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None:
+            watcher.close(0.0)  # the thread drains its queue on its own
+
     def __enter__(self) -> PyStoreCollectives:
         return self
 
@@ -206,7 +211,7 @@ class PyStoreCollectives(ControlCollectives):
                 seq, self._seq = self._seq, self._seq + 1
             else:
                 if user_key in self._used:
-                    raise KeyReusedError(f"{name}: key {user_key!r} has already been used on this instance")
+                    raise key_reused_error(name, user_key)
                 self._used.add(user_key)
                 seq = -1
         label = user_key if user_key is not None else f"#{seq}"
@@ -244,9 +249,10 @@ class PyStoreCollectives(ControlCollectives):
             entries[rank] = data
         self._exit_later(op, self._world, [K.LOG, K.ARRIVE, K.DONE, K.NAMES])
         if len(entries) != self._world:
-            raise CollectiveError(
-                f"{op.name} {op.label!r}: expected {self._world} entries, found ranks "
-                f"{sorted(entries)} (is the key used by another group?)"
+            raise collective_error(
+                op.name,
+                op.label,
+                f"expected {self._world} entries, found ranks {sorted(entries)} (is the key used by another group?)",
             )
         return entries
 
@@ -263,7 +269,7 @@ class PyStoreCollectives(ControlCollectives):
             return value[1:]
         if value[:1] == K.TAG_ABORT:
             self._raise_abort(op, value[1:])
-        raise CollectiveError(f"{op.name} {op.label!r}: unexpected value in the store (not written by torch_ctrl?)")
+        raise collective_error(op.name, op.label, "unexpected value in the store (not written by torch_ctrl?)")
 
     def _check_counter(self, op: _Op, counter: bytes | None) -> None:
         if counter is not None and counter.lstrip(b"-").isdigit() and int(counter) >= K.ABORT_BIAS:
@@ -278,7 +284,7 @@ class PyStoreCollectives(ControlCollectives):
         """Turn a store exception into a one-line CollectiveTimeoutError or CollectiveError."""
         text = one_line(str(exc))
         if time.monotonic() < op.deadline - 0.01 and "timeout" not in text.lower():
-            return CollectiveError(f"{op.name} {op.label!r}: store error: {text}")
+            return collective_error(op.name, op.label, f"store error: {text}")
         try:
             with self._lanes.lane() as lane:
                 return self._timeout(op, lane)

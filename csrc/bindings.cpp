@@ -1,0 +1,125 @@
+// pybind11 bindings: module torch_ctrl._C. Every call releases the GIL while it
+// talks to the store; C++ exceptions become torch_ctrl.errors exceptions, built by
+// the same Python functions the pure-Python implementation uses.
+#include "errors.h"
+#include "store_collectives.h"
+
+#include <torch/csrc/utils/pybind.h>
+
+namespace py = pybind11;
+using torch_ctrl::Key;
+using torch_ctrl::StoreCollectives;
+
+namespace {
+
+void raise_from(const char* builder, const py::tuple& args) {
+  py::object exc = py::module_::import("torch_ctrl.errors").attr(builder)(*args);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+}
+
+void translate(std::exception_ptr p) {
+  try {
+    if (p) {
+      std::rethrow_exception(p);
+    }
+  } catch (const torch_ctrl::CollectiveTimeout& e) {
+    py::object arrived = e.arrived ? py::object(py::int_(*e.arrived)) : py::object(py::none());
+    raise_from(
+        "timeout_error",
+        py::make_tuple(e.op, e.label, e.seconds, e.world_size, arrived, py::cast(e.missing), e.detail));
+  } catch (const torch_ctrl::CollectiveAborted& e) {
+    raise_from("aborted_error", py::make_tuple(e.op, e.label, e.rank, e.reason));
+  } catch (const torch_ctrl::CollectiveError& e) {
+    raise_from("collective_error", py::make_tuple(e.op, e.label, e.detail));
+  } catch (const torch_ctrl::KeyReusedError& e) {
+    raise_from("key_reused_error", py::make_tuple(e.op, e.key));
+  }
+}
+
+py::list to_list(const std::vector<std::string>& values) {
+  py::list out;
+  for (const auto& v : values) {
+    out.append(py::bytes(v));
+  }
+  return out;
+}
+
+} // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "torch_ctrl C++ implementation of StoreCollectives";
+  py::register_exception_translator(&translate);
+
+  py::class_<StoreCollectives, std::shared_ptr<StoreCollectives>>(m, "StoreCollectives")
+      .def(py::init<c10::intrusive_ptr<c10d::Store>, int, int>(), py::arg("store"), py::arg("rank"),
+           py::arg("world_size"))
+      .def("barrier",
+           [](StoreCollectives& s, const Key& key, double timeout, bool block) {
+             py::gil_scoped_release nogil;
+             s.barrier(key, timeout, block);
+           })
+      .def("broadcast_send",
+           [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
+             py::gil_scoped_release nogil;
+             s.broadcast_send(key, data, timeout);
+           })
+      .def("broadcast_recv",
+           [](StoreCollectives& s, const Key& key, double timeout) {
+             std::string out;
+             {
+               py::gil_scoped_release nogil;
+               out = s.broadcast_recv(key, timeout);
+             }
+             return py::bytes(out);
+           })
+      .def("gather_send",
+           [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
+             py::gil_scoped_release nogil;
+             s.gather_send(key, data, timeout);
+           })
+      .def("gather_recv",
+           [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
+             std::vector<std::string> out;
+             {
+               py::gil_scoped_release nogil;
+               out = s.gather_recv(key, data, timeout);
+             }
+             return to_list(out);
+           })
+      .def("scatter_send",
+           [](StoreCollectives& s, const Key& key, const std::vector<std::string>& data, double timeout) {
+             std::string out;
+             {
+               py::gil_scoped_release nogil;
+               out = s.scatter_send(key, data, timeout);
+             }
+             return py::bytes(out);
+           })
+      .def("scatter_recv",
+           [](StoreCollectives& s, const Key& key, double timeout) {
+             std::string out;
+             {
+               py::gil_scoped_release nogil;
+               out = s.scatter_recv(key, timeout);
+             }
+             return py::bytes(out);
+           })
+      .def("all_gather",
+           [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
+             std::vector<std::string> out;
+             {
+               py::gil_scoped_release nogil;
+               out = s.all_gather(key, data, timeout);
+             }
+             return to_list(out);
+           })
+      .def("all_sum",
+           [](StoreCollectives& s, const Key& key, int64_t data, double timeout) {
+             py::gil_scoped_release nogil;
+             return s.all_sum(key, data, timeout);
+           })
+      .def("close", &StoreCollectives::close, py::arg("flush_timeout"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rank", &StoreCollectives::rank)
+      .def_property_readonly("world_size", &StoreCollectives::world_size);
+}

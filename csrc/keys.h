@@ -1,0 +1,47 @@
+// The protocol's key layout and value encodings: C++ twin of torch_ctrl/keys.py.
+// Keep the two identical; docs/protocol.md is the contract.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torch_ctrl::keys {
+
+inline const std::string kProtocol = "torch_ctrl/1";
+constexpr size_t kMaxToken = 160;
+
+// Fields of one collective.
+inline const std::string kArrive = "n";  // arrival counter; native barrier counter
+inline const std::string kDone = "d";  // done flag / broadcast payload (tagged)
+inline const std::string kLog = "g";  // append-only log of frames
+inline const std::string kNames = "a";  // "rank," of ranks blocked past the grace period
+inline const std::string kExit = "x";  // exit counter
+
+// Value tags: first byte of every single-value key.
+constexpr char kTagData = 'D';
+constexpr char kTagAbort = 'A';
+
+// Added to a barrier counter to release native-barrier waiters on abort.
+constexpr int64_t kAbortBias = int64_t{1} << 40;
+
+// compare_set(key, kMissing, kNever) reads without writing.
+inline const std::string kMissing = "\x01";
+inline const std::string kNever = "\x02";
+
+std::string group_root(int world_size);
+std::string escape(const std::string& key);
+std::string sha256_hex(const std::string& data);
+std::string token(const std::optional<std::string>& key, int64_t seq);
+std::string op_prefix(int world_size, const std::optional<std::string>& key, int64_t seq);
+std::string field(const std::string& prefix, const std::string& name);
+std::string rank_slot(const std::string& prefix, int rank);
+std::string group_key(int world_size, const std::string& name);
+std::string frame(int rank, const std::string& payload);
+std::vector<std::pair<int, std::string>> parse_frames(const std::string& log);
+std::set<int> parse_names(const std::string& log);
+
+} // namespace torch_ctrl::keys

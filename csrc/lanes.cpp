@@ -1,0 +1,178 @@
+// C++ twin of torch_ctrl/lanes.py.
+#include "lanes.h"
+#include "keys.h"
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <chrono>
+
+namespace torch_ctrl {
+
+namespace {
+constexpr double kTick = 0.001;  // smallest timeout handed to a store
+
+std::vector<uint8_t> bytes(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+std::string str(const std::vector<uint8_t>& v) {
+  return std::string(v.begin(), v.end());
+}
+std::chrono::milliseconds millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(std::max(seconds, kTick) * 1000.0 + 0.5));
+}
+} // namespace
+
+c10::intrusive_ptr<c10d::Store> base_store(c10::intrusive_ptr<c10d::Store> store) {
+  while (auto* prefix = dynamic_cast<c10d::PrefixStore*>(store.get())) {
+    store = prefix->getUnderlyingStore();
+  }
+  return store;
+}
+
+void Lane::set(const std::string& key, const std::string& value) {
+  store->set(key, bytes(value));
+}
+
+int64_t Lane::add(const std::string& key, int64_t value) {
+  return store->add(key, value);
+}
+
+void Lane::remove(const std::string& key) {
+  store->deleteKey(key);
+}
+
+std::optional<std::string> Lane::peek(const std::string& key) {
+  std::string value = str(store->compareSet(key, bytes(keys::kMissing), bytes(keys::kNever)));
+  if (value == keys::kMissing) {
+    return std::nullopt;
+  }
+  return value;
+}
+
+void Lane::append(const std::string& key, const std::string& value) {
+  if (extended) {
+    store->append(key, bytes(value));
+    return;
+  }
+  std::string expected, desired = value;
+  while (true) {
+    std::string current = str(store->compareSet(key, bytes(expected), bytes(desired)));
+    if (current == desired) {
+      return;
+    }
+    expected = current;
+    desired = current + value;
+  }
+}
+
+void Lane::multi_set(const std::vector<std::string>& keys, const std::vector<std::string>& values) {
+  if (extended) {
+    std::vector<std::vector<uint8_t>> vals;
+    vals.reserve(values.size());
+    for (const auto& v : values) {
+      vals.push_back(bytes(v));
+    }
+    store->multiSet(keys, vals);
+    return;
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    store->set(keys[i], bytes(values[i]));
+  }
+}
+
+void Lane::arm(double seconds) {
+  seconds = std::max(seconds, kTick);
+  if (timeout != seconds) {
+    store->setTimeout(millis(seconds));
+    timeout = seconds;
+  }
+}
+
+void Lane::wait(const std::vector<std::string>& keys, double seconds) {
+  store->wait(keys, millis(seconds));
+}
+
+std::string Lane::get(const std::string& key, double seconds) {
+  if (owned) {
+    arm(seconds);
+  } else {
+    wait({key}, seconds);
+  }
+  return str(store->get(key));
+}
+
+std::vector<std::string> Lane::multi_get(const std::vector<std::string>& keys, double seconds) {
+  std::vector<std::string> out;
+  out.reserve(keys.size());
+  if (owned && extended) {
+    arm(seconds);
+  } else {
+    wait(keys, seconds);
+  }
+  if (extended) {
+    for (const auto& v : store->multiGet(keys)) {
+      out.push_back(str(v));
+    }
+  } else {
+    for (const auto& k : keys) {
+      out.push_back(str(store->get(k)));
+    }
+  }
+  return out;
+}
+
+void Lane::barrier(const std::string& key, int world_size, double seconds) {
+  store->barrier(key, world_size, millis(seconds));
+}
+
+std::optional<std::vector<std::string>> Lane::list_keys() {
+  try {
+    return store->listKeys();
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+Lanes::Lanes(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {
+  auto base = base_store(store_);
+  owned_ = dynamic_cast<c10d::TCPStore*>(base.get()) != nullptr ||
+      dynamic_cast<c10d::FileStore*>(base.get()) != nullptr;
+  native_barrier_ = dynamic_cast<c10d::TCPStore*>(store_.get()) != nullptr;
+  try {
+    extended_ = store_->hasExtendedApi();
+  } catch (const std::exception&) {
+    extended_ = false;
+  }
+}
+
+std::unique_ptr<Lane> Lanes::acquire() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!free_.empty()) {
+      auto lane = std::move(free_.back());
+      free_.pop_back();
+      return lane;
+    }
+  }
+  auto lane = std::make_unique<Lane>();
+  lane->store = owned_ ? store_->clone() : store_;
+  lane->owned = owned_;
+  lane->native_barrier = native_barrier_;
+  lane->extended = extended_;
+  return lane;
+}
+
+void Lanes::release(std::unique_ptr<Lane> lane) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  free_.push_back(std::move(lane));
+}
+
+void Lanes::close() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  free_.clear();
+}
+
+} // namespace torch_ctrl

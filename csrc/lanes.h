@@ -1,0 +1,78 @@
+// Lanes: the store handles a collective talks through. C++ twin of torch_ctrl/lanes.py.
+// Owned lanes are clones (new connections) of TCPStore/FileStore-backed stores, so a
+// blocking call may set the lane's timeout; other stores are shared and must be
+// thread safe, and their blocking reads are wait(keys, timeout) + read.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace torch_ctrl {
+
+c10::intrusive_ptr<c10d::Store> base_store(c10::intrusive_ptr<c10d::Store> store);
+
+struct Lane {
+  c10::intrusive_ptr<c10d::Store> store;
+  bool owned = false;
+  bool native_barrier = false;
+  bool extended = false;
+  double timeout = -1.0;
+
+  void set(const std::string& key, const std::string& value);
+  int64_t add(const std::string& key, int64_t value);
+  void remove(const std::string& key);  // delete_key
+  std::optional<std::string> peek(const std::string& key);
+  void append(const std::string& key, const std::string& value);
+  void multi_set(const std::vector<std::string>& keys, const std::vector<std::string>& values);
+
+  // Blocking calls: `seconds` is the time left until the op's deadline.
+  void wait(const std::vector<std::string>& keys, double seconds);
+  std::string get(const std::string& key, double seconds);
+  std::vector<std::string> multi_get(const std::vector<std::string>& keys, double seconds);
+  void barrier(const std::string& key, int world_size, double seconds);
+  std::optional<std::vector<std::string>> list_keys();
+
+ private:
+  void arm(double seconds);
+};
+
+class Lanes {
+ public:
+  explicit Lanes(c10::intrusive_ptr<c10d::Store> store);
+  std::unique_ptr<Lane> acquire();
+  void release(std::unique_ptr<Lane> lane);
+  void close();
+  bool owned() const { return owned_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  bool owned_;
+  bool native_barrier_;
+  bool extended_;
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<Lane>> free_;
+};
+
+// Borrow a lane; one that saw an error is dropped, not reused.
+class LaneGuard {
+ public:
+  explicit LaneGuard(Lanes& lanes) : lanes_(lanes), lane_(lanes.acquire()) {}
+  ~LaneGuard() {
+    if (std::uncaught_exceptions() == 0) {
+      lanes_.release(std::move(lane_));
+    }
+  }
+  Lane& operator*() { return *lane_; }
+  Lane* operator->() { return lane_.get(); }
+
+ private:
+  Lanes& lanes_;
+  std::unique_ptr<Lane> lane_;
+};
+
+} // namespace torch_ctrl

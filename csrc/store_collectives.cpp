@@ -1,0 +1,452 @@
+// C++ twin of torch_ctrl/store_collectives.py; docs/protocol.md is the contract.
+#include "store_collectives.h"
+#include "errors.h"
+#include "keys.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cctype>
+#include <thread>
+
+namespace torch_ctrl {
+
+namespace K = keys;
+
+namespace {
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  return s;
+}
+
+std::string error_text(const std::exception& exc) {
+  if (const auto* c10err = dynamic_cast<const c10::Error*>(&exc)) {
+    return one_line(c10err->what_without_backtrace());
+  }
+  return one_line(exc.what());
+}
+
+bool is_digits(const std::string& s) {
+  size_t i = (!s.empty() && s[0] == '-') ? 1 : 0;
+  return i < s.size() && std::all_of(s.begin() + i, s.end(), [](unsigned char c) { return std::isdigit(c); });
+}
+
+int64_t wrap_sum(const std::vector<int64_t>& values) {
+  uint64_t total = 0;
+  for (auto v : values) {
+    total += static_cast<uint64_t>(v);
+  }
+  return static_cast<int64_t>(total);
+}
+} // namespace
+
+std::string one_line(const std::string& text) {
+  size_t start = text.find_first_not_of(" \t\r\n");
+  if (start == std::string::npos) {
+    return "";
+  }
+  std::string line = text.substr(start, text.find('\n', start) - start);
+  size_t cut = line.find(" Exception raised from ");
+  if (cut != std::string::npos) {
+    line = line.substr(0, cut);
+  }
+  while (!line.empty() && std::isspace(static_cast<unsigned char>(line.back()))) {
+    line.pop_back();
+  }
+  return line;
+}
+
+std::string Op::key(const std::string& field) const {
+  return K::field(prefix, field);
+}
+
+double Op::left() const {
+  return std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
+}
+
+StoreCollectives::StoreCollectives(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size)
+    : store_(std::move(store)), rank_(rank), world_(world_size) {
+  lanes_ = std::make_shared<Lanes>(store_);
+  watcher_ = std::make_unique<Watcher>(lanes_, rank_);
+}
+
+StoreCollectives::~StoreCollectives() = default;
+
+// ------------------------------------------------------------------------ public
+
+void StoreCollectives::barrier(const Key& key, double timeout, bool block) {
+  Op op = begin("barrier", key, timeout);
+  if (world_ == 1) {
+    return;
+  }
+  LaneGuard lane(*lanes_);
+  if (block) {
+    arrive(op, *lane);
+    if (lane->native_barrier) {
+      check_counter(op, lane->peek(op.key(K::kArrive)));
+      if (rank_ == 0) {
+        delete_later({op.key(K::kArrive), op.key(K::kNames)});
+      }
+    } else {
+      exit_later(op, world_, {K::kArrive, K::kDone, K::kNames});
+    }
+    return;
+  }
+  int64_t count = lane->add(op.key(K::kArrive), 1);
+  if (lane->native_barrier) {
+    if (count == world_ || rank_ == 0) {
+      delete_when_full(op);
+    }
+    return;
+  }
+  if (count == world_) {
+    lane->set(op.key(K::kDone), std::string(1, K::kTagData));
+  }
+  exit_later(op, world_, {K::kArrive, K::kDone, K::kNames});
+}
+
+void StoreCollectives::broadcast_send(const Key& key, const std::string& data, double timeout) {
+  Op op = begin("broadcast_send", key, timeout);
+  if (world_ == 1) {
+    return;
+  }
+  LaneGuard lane(*lanes_);
+  lane->set(op.key(K::kDone), K::kTagData + data);
+}
+
+std::string StoreCollectives::broadcast_recv(const Key& key, double timeout) {
+  Op op = begin("broadcast_recv", key, timeout);
+  std::string value;
+  {
+    LaneGuard lane(*lanes_);
+    value = read(op, *lane, op.key(K::kDone));
+  }
+  exit_later(op, world_ - 1, {K::kDone});
+  return value;
+}
+
+void StoreCollectives::gather_send(const Key& key, const std::string& data, double timeout) {
+  Op op = begin("gather_send", key, timeout);
+  LaneGuard lane(*lanes_);
+  lane->set(K::rank_slot(op.prefix, rank_), K::kTagData + data);
+}
+
+std::vector<std::string> StoreCollectives::gather_recv(const Key& key, const std::string& data, double timeout) {
+  Op op = begin("gather_recv", key, timeout);
+  std::vector<std::string> slots;
+  for (int r = 0; r < world_; ++r) {
+    if (r != rank_) {
+      slots.push_back(K::rank_slot(op.prefix, r));
+    }
+  }
+  std::vector<std::string> values;
+  if (!slots.empty()) {
+    {
+      LaneGuard lane(*lanes_);
+      try {
+        values = lane->multi_get(slots, op.left());
+      } catch (const std::exception& exc) {
+        failure(op, exc);
+      }
+    }
+    for (auto& v : values) {
+      v = untag(op, v);
+    }
+    delete_later(slots);
+  }
+  values.insert(values.begin() + rank_, data);
+  return values;
+}
+
+std::string StoreCollectives::scatter_send(const Key& key, const std::vector<std::string>& data, double timeout) {
+  Op op = begin("scatter_send", key, timeout);
+  std::vector<std::string> slots, values;
+  for (int r = 0; r < world_; ++r) {
+    if (r != rank_) {
+      slots.push_back(K::rank_slot(op.prefix, r));
+      values.push_back(K::kTagData + data.at(r));
+    }
+  }
+  if (!slots.empty()) {
+    LaneGuard lane(*lanes_);
+    lane->multi_set(slots, values);
+  }
+  return data.at(rank_);
+}
+
+std::string StoreCollectives::scatter_recv(const Key& key, double timeout) {
+  Op op = begin("scatter_recv", key, timeout);
+  std::string slot = K::rank_slot(op.prefix, rank_);
+  std::string value;
+  {
+    LaneGuard lane(*lanes_);
+    value = read(op, *lane, slot);
+  }
+  delete_later({slot});
+  return value;
+}
+
+std::vector<std::string> StoreCollectives::all_gather(const Key& key, const std::string& data, double timeout) {
+  Op op = begin("all_gather", key, timeout);
+  if (world_ == 1) {
+    return {data};
+  }
+  auto entries = exchange(op, data);
+  std::vector<std::string> out;
+  out.reserve(world_);
+  for (int r = 0; r < world_; ++r) {
+    out.push_back(std::move(entries[r]));
+  }
+  return out;
+}
+
+int64_t StoreCollectives::all_sum(const Key& key, int64_t data, double timeout) {
+  Op op = begin("all_sum", key, timeout);
+  if (world_ == 1) {
+    return data;
+  }
+  auto entries = exchange(op, std::to_string(data));
+  std::vector<int64_t> values;
+  for (const auto& [r, v] : entries) {
+    values.push_back(std::stoll(v));
+  }
+  return wrap_sum(values);
+}
+
+void StoreCollectives::close(double flush_timeout) {
+  watcher_->close(flush_timeout);
+  lanes_->close();
+}
+
+// --------------------------------------------------------------------- internals
+
+Op StoreCollectives::begin(const std::string& name, const Key& key, double timeout) {
+  int64_t seq = -1;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!key) {
+      seq = seq_++;
+    } else {
+      if (used_.count(*key)) {
+        throw KeyReusedError(name, *key);
+      }
+      used_.insert(*key);
+    }
+  }
+  std::string label = key ? *key : "#" + std::to_string(seq);
+  auto deadline = std::chrono::steady_clock::now() +
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout));
+  return Op{name, label, K::op_prefix(world_, key, seq), timeout, deadline};
+}
+
+void StoreCollectives::arrive(const Op& op, Lane& lane) {
+  std::string counter = op.key(K::kArrive);
+  std::string done;
+  try {
+    if (lane.native_barrier) {
+      Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds);
+      lane.barrier(counter, world_, op.left());
+      return;
+    }
+    if (lane.add(counter, 1) == world_) {
+      lane.set(op.key(K::kDone), std::string(1, K::kTagData));
+      return;
+    }
+    Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds);
+    done = lane.get(op.key(K::kDone), op.left());
+  } catch (const std::exception& exc) {
+    failure(op, exc);
+  }
+  untag(op, done);
+}
+
+std::map<int, std::string> StoreCollectives::exchange(const Op& op, const std::string& payload) {
+  std::string log_key = op.key(K::kLog);
+  std::string log;
+  {
+    LaneGuard lane(*lanes_);
+    lane->append(log_key, K::frame(rank_, payload));
+    arrive(op, *lane);
+    log = lane->peek(log_key).value_or("");
+  }
+  std::map<int, std::string> entries;
+  for (auto& [rank, data] : K::parse_frames(log)) {
+    if (rank < 0) {
+      raise_abort(op, data);
+    }
+    entries[rank] = std::move(data);
+  }
+  exit_later(op, world_, {K::kLog, K::kArrive, K::kDone, K::kNames});
+  if (static_cast<int>(entries.size()) != world_) {
+    std::string found = "[";
+    for (const auto& [r, v] : entries) {
+      found += (found.size() > 1 ? ", " : "") + std::to_string(r);
+    }
+    throw CollectiveError(
+        op.name,
+        op.label,
+        "expected " + std::to_string(world_) + " entries, found ranks " + found +
+            "] (is the key used by another group?)");
+  }
+  return entries;
+}
+
+std::string StoreCollectives::read(const Op& op, Lane& lane, const std::string& key) {
+  std::string value;
+  try {
+    value = lane.get(key, op.left());
+  } catch (const std::exception& exc) {
+    failure(op, exc);
+  }
+  return untag(op, value);
+}
+
+std::string StoreCollectives::untag(const Op& op, const std::string& value) {
+  if (!value.empty() && value[0] == K::kTagData) {
+    return value.substr(1);
+  }
+  if (!value.empty() && value[0] == K::kTagAbort) {
+    raise_abort(op, value.substr(1));
+  }
+  throw CollectiveError(op.name, op.label, "unexpected value in the store (not written by torch_ctrl?)");
+}
+
+void StoreCollectives::check_counter(const Op& op, const std::optional<std::string>& counter) {
+  if (counter && is_digits(*counter) && std::stoll(*counter) >= K::kAbortBias) {
+    raise_abort(op, "");
+  }
+}
+
+void StoreCollectives::raise_abort(const Op& op, const std::string& notice) {
+  size_t colon = notice.find(':');
+  std::string rank = notice.substr(0, colon);
+  std::string reason = colon == std::string::npos ? "" : notice.substr(colon + 1);
+  throw CollectiveAborted(op.name, op.label, is_digits(rank) ? std::stoi(rank) : -1, reason);
+}
+
+// ------------------------------------------------------------------- diagnostics
+
+void StoreCollectives::failure(const Op& op, const std::exception& exc) {
+  std::string text = error_text(exc);
+  if (op.left() > 0.01 && lower(text).find("timeout") == std::string::npos) {
+    throw CollectiveError(op.name, op.label, "store error: " + text);
+  }
+  std::string detail;
+  try {
+    LaneGuard lane(*lanes_);
+    timeout(op, *lane);
+  } catch (const CollectiveTimeout&) {
+    throw;
+  } catch (const std::exception& diag) {
+    detail = "(" + error_text(diag) + ")";
+  }
+  throw CollectiveTimeout(op.name, op.label, op.seconds, world_, std::nullopt, {}, detail);
+}
+
+void StoreCollectives::timeout(const Op& op, Lane& lane) {
+  if (op.name == "broadcast_recv" || op.name == "scatter_recv") {
+    throw CollectiveTimeout(op.name, op.label, op.seconds, world_, std::nullopt, {}, "nothing was sent");
+  }
+  std::set<int> present;
+  std::optional<int> arrived;
+  if (op.name == "gather_recv") {
+    present = present_slots(op, lane);
+  } else if (op.name == "all_gather" || op.name == "all_sum") {
+    for (const auto& [r, v] : K::parse_frames(lane.peek(op.key(K::kLog)).value_or(""))) {
+      if (r >= 0) {
+        present.insert(r);
+      }
+    }
+  } else {  // barrier
+    lane.append(op.key(K::kNames), std::to_string(rank_) + ",");
+    present = K::parse_names(lane.peek(op.key(K::kNames)).value_or(""));
+    auto counter = lane.peek(op.key(K::kArrive));
+    arrived = counter && is_digits(*counter) ? static_cast<int>(std::min<int64_t>(std::stoll(*counter), world_))
+                                             : static_cast<int>(present.size());
+  }
+  present.insert(rank_);
+  if (!arrived) {
+    arrived = static_cast<int>(present.size());
+  }
+  std::vector<int> missing;
+  for (int r = 0; r < world_; ++r) {
+    if (!present.count(r)) {
+      missing.push_back(r);
+    }
+  }
+  throw CollectiveTimeout(op.name, op.label, op.seconds, world_, arrived, missing, "");
+}
+
+std::set<int> StoreCollectives::present_slots(const Op& op, Lane& lane) {
+  std::set<int> found;
+  std::string prefix = op.prefix + "/r";
+  if (auto names = lane.list_keys()) {
+    for (const auto& name : *names) {
+      size_t at = name.find(prefix);
+      if (at == std::string::npos) {
+        continue;
+      }
+      std::string tail = name.substr(at + prefix.size());
+      if (is_digits(tail) && tail[0] != '-') {
+        found.insert(std::stoi(tail));
+      }
+    }
+    return found;
+  }
+  for (int r = 0; r < world_; ++r) {
+    if (r != rank_ && lane.store->check({K::rank_slot(op.prefix, r)})) {
+      found.insert(r);
+    }
+  }
+  return found;
+}
+
+// ----------------------------------------------------------------------- cleanup
+
+void StoreCollectives::delete_later(std::vector<std::string> keys) {
+  watcher_->submit([keys = std::move(keys)](Lane& lane) {
+    for (const auto& key : keys) {
+      lane.remove(key);
+    }
+  });
+}
+
+void StoreCollectives::exit_later(const Op& op, int64_t expected, const std::vector<std::string>& fields) {
+  std::string exit_key = op.key(K::kExit);
+  std::vector<std::string> keys;
+  for (const auto& f : fields) {
+    keys.push_back(op.key(f));
+  }
+  keys.push_back(exit_key);
+  watcher_->submit([exit_key, expected, keys](Lane& lane) {
+    if (lane.add(exit_key, 1) >= expected) {
+      for (const auto& key : keys) {
+        lane.remove(key);
+      }
+    }
+  });
+}
+
+void StoreCollectives::delete_when_full(const Op& op) {
+  std::string counter = op.key(K::kArrive), names = op.key(K::kNames);
+  auto deadline = op.deadline;
+  int world = world_;
+  watcher_->submit([counter, names, deadline, world](Lane& lane) {
+    double pause = 0.01;
+    while (true) {
+      auto value = lane.peek(counter);
+      if (!value || (is_digits(*value) && std::stoll(*value) >= world)) {
+        break;
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::duration<double>(pause));
+      pause = std::min(pause * 2, 1.0);
+    }
+    lane.remove(counter);
+    lane.remove(names);
+  });
+}
+
+} // namespace torch_ctrl

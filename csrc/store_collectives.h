@@ -1,0 +1,81 @@
+// StoreCollectives: the C++ implementation of the protocol (docs/protocol.md).
+// Twin of torch_ctrl/store_collectives.py: same structure, same names.
+#pragma once
+
+#include "lanes.h"
+#include "watcher.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <map>
+#include <set>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+namespace torch_ctrl {
+
+using Key = std::optional<std::string>;
+
+// One collective call: its name, the user's key, its key prefix and deadline.
+struct Op {
+  std::string name;
+  std::string label;
+  std::string prefix;
+  double seconds;
+  std::chrono::steady_clock::time_point deadline;
+  std::string key(const std::string& field) const;
+  double left() const;
+};
+
+class StoreCollectives {
+ public:
+  StoreCollectives(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size);
+  ~StoreCollectives();
+
+  void barrier(const Key& key, double timeout, bool block);
+  void broadcast_send(const Key& key, const std::string& data, double timeout);
+  std::string broadcast_recv(const Key& key, double timeout);
+  void gather_send(const Key& key, const std::string& data, double timeout);
+  std::vector<std::string> gather_recv(const Key& key, const std::string& data, double timeout);
+  std::string scatter_send(const Key& key, const std::vector<std::string>& data, double timeout);
+  std::string scatter_recv(const Key& key, double timeout);
+  std::vector<std::string> all_gather(const Key& key, const std::string& data, double timeout);
+  int64_t all_sum(const Key& key, int64_t data, double timeout);
+  void close(double flush_timeout);
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_; }
+
+ private:
+  Op begin(const std::string& name, const Key& key, double timeout);
+  void arrive(const Op& op, Lane& lane);
+  std::map<int, std::string> exchange(const Op& op, const std::string& payload);
+  std::string read(const Op& op, Lane& lane, const std::string& key);
+  std::string untag(const Op& op, const std::string& value);
+  void check_counter(const Op& op, const std::optional<std::string>& counter);
+  [[noreturn]] void raise_abort(const Op& op, const std::string& notice);
+
+  [[noreturn]] void failure(const Op& op, const std::exception& exc);
+  [[noreturn]] void timeout(const Op& op, Lane& lane);
+  std::set<int> present_slots(const Op& op, Lane& lane);
+
+  void delete_later(std::vector<std::string> keys);
+  void exit_later(const Op& op, int64_t expected, const std::vector<std::string>& fields);
+  void delete_when_full(const Op& op);
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_;
+  int world_;
+  std::shared_ptr<Lanes> lanes_;
+  std::unique_ptr<Watcher> watcher_;
+  std::mutex mutex_;
+  int64_t seq_ = 0;
+  std::unordered_set<std::string> used_;
+};
+
+} // namespace torch_ctrl

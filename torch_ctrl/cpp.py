@@ -1,0 +1,105 @@
+"""``CppStoreCollectives``: the C++ implementation (``torch_ctrl._C``) behind the
+same Python interface. Arguments are checked here, with the helpers the Python
+implementation uses, so bad input fails identically and before any store traffic;
+the calls then run in C++ with the GIL released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch  # noqa: F401 - loads libtorch before the extension
+import torch.distributed as dist
+
+from . import _C  # type: ignore[attr-defined]
+from .base import (
+    DEFAULT_TIMEOUT,
+    ControlCollectives,
+    Data,
+    Timeout,
+    check_init,
+    check_key,
+    to_bytes,
+    to_bytes_list,
+    to_int64,
+    to_seconds,
+)
+
+
+class CppStoreCollectives(ControlCollectives):
+    """Store-backed collectives implemented in C++. Thread safe; see ``docs/protocol.md``."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+        rank, world_size = check_init(store, rank, world_size)
+        self._store = store
+        self._impl = _C.StoreCollectives(store, rank, world_size)
+
+    @property
+    def rank(self) -> int:
+        """This instance's rank."""
+        return self._impl.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the group."""
+        return self._impl.world_size
+
+    def barrier(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT, block: bool = True) -> None:
+        self._impl.barrier(check_key(key), to_seconds(timeout), bool(block))
+
+    def broadcast_send(self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
+        payload = to_bytes(data)
+        self._impl.broadcast_send(check_key(key), payload, to_seconds(timeout))
+
+    def broadcast_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
+        return self._impl.broadcast_recv(check_key(key), to_seconds(timeout))
+
+    def gather_send(self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
+        payload = to_bytes(data)
+        self._impl.gather_send(check_key(key), payload, to_seconds(timeout))
+
+    def gather_recv(
+        self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> list[bytes]:
+        payload = to_bytes(data)
+        return self._impl.gather_recv(check_key(key), payload, to_seconds(timeout))
+
+    def scatter_send(
+        self, key: str | None = None, data: Sequence[Data] | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> bytes:
+        payloads = to_bytes_list(data, self.world_size)
+        return self._impl.scatter_send(check_key(key), payloads, to_seconds(timeout))
+
+    def scatter_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
+        return self._impl.scatter_recv(check_key(key), to_seconds(timeout))
+
+    def all_gather(
+        self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> list[bytes]:
+        payload = to_bytes(data)
+        return self._impl.all_gather(check_key(key), payload, to_seconds(timeout))
+
+    def all_sum(self, key: str | None = None, data: int | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> int:
+        value = to_int64(data)
+        return self._impl.all_sum(check_key(key), value, to_seconds(timeout))
+
+    def close(self, flush_timeout: float = 5.0) -> None:
+        """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections."""
+        self._impl.close(float(flush_timeout))
+
+    def __enter__(self) -> CppStoreCollectives:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        impl = getattr(self, "_impl", None)
+        if impl is not None:
+            try:
+                impl.close(0.0)  # the watcher drains its queue on its own
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
