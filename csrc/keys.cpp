@@ -108,6 +108,31 @@ std::string group_key(int world_size, const std::string& name) {
   return group_root(world_size) + "/_/" + name;
 }
 
+std::string chunk_key(const std::string& key, size_t index) {
+  return key + "/c" + std::to_string(index);
+}
+
+std::string frame_key(const std::string& log_key, int rank) {
+  return log_key + "/" + std::to_string(rank);
+}
+
+std::pair<std::string, std::vector<std::pair<std::string, std::string>>> pack(
+    const std::string& key,
+    const std::string& payload) {
+  std::vector<std::pair<std::string, std::string>> chunks;
+  if (payload.size() <= kChunk) {
+    return {kTagData + payload, chunks};
+  }
+  for (size_t i = 0, off = 0; off < payload.size(); ++i, off += kChunk) {
+    chunks.emplace_back(chunk_key(key, i), payload.substr(off, kChunk));
+  }
+  return {kTagChunks + std::to_string(chunks.size()), chunks};
+}
+
+size_t chunk_count(const std::string& value) {
+  return std::stoull(value.substr(1));
+}
+
 std::string frame(int rank, const std::string& payload) {
   return std::to_string(rank) + ":" + std::to_string(payload.size()) + ":" + payload;
 }

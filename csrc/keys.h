@@ -21,9 +21,13 @@ inline const std::string kLog = "g";  // append-only log of frames
 inline const std::string kNames = "a";  // "rank," of ranks blocked past the grace period
 inline const std::string kExit = "x";  // exit counter
 
-// Value tags: first byte of every single-value key.
-constexpr char kTagData = 'D';
-constexpr char kTagAbort = 'A';
+// Value tags: first byte of every single-value key (and of every log frame's payload).
+constexpr char kTagData = 'D';  // "D" + payload
+constexpr char kTagChunks = 'C';  // "C{n}": payload in n chunk keys "{key}/c{i}", written first
+constexpr char kTagAbort = 'A';  // "A{rank}:{reason}"
+
+// Largest payload stored inline (TCPStore's libuv server rejects values over 8 MiB).
+constexpr size_t kChunk = size_t{4} << 20;
 
 // Added to a barrier counter to release native-barrier waiters on abort.
 constexpr int64_t kAbortBias = int64_t{1} << 40;
@@ -40,6 +44,13 @@ std::string op_prefix(int world_size, const std::optional<std::string>& key, int
 std::string field(const std::string& prefix, const std::string& name);
 std::string rank_slot(const std::string& prefix, int rank);
 std::string group_key(int world_size, const std::string& name);
+std::string chunk_key(const std::string& key, size_t index);
+std::string frame_key(const std::string& log_key, int rank);
+// Tagged value for `payload` at `key`, and the chunk (key, value) pairs to write first.
+std::pair<std::string, std::vector<std::pair<std::string, std::string>>> pack(
+    const std::string& key,
+    const std::string& payload);
+size_t chunk_count(const std::string& value);
 std::string frame(int rank, const std::string& payload);
 std::vector<std::pair<int, std::string>> parse_frames(const std::string& log);
 std::set<int> parse_names(const std::string& log);

@@ -62,6 +62,7 @@ class Lanes {
 class LaneGuard {
  public:
   explicit LaneGuard(Lanes& lanes) : lanes_(lanes), lane_(lanes.acquire()) {}
+  LaneGuard(Lanes& lanes, std::unique_ptr<Lane> lane) : lanes_(lanes), lane_(std::move(lane)) {}
   ~LaneGuard() {
     if (std::uncaught_exceptions() == 0) {
       lanes_.release(std::move(lane_));

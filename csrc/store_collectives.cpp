@@ -79,7 +79,7 @@ void StoreCollectives::barrier(const Key& key, double timeout, bool block) {
   if (world_ == 1) {
     return;
   }
-  LaneGuard lane(*lanes_);
+  LaneGuard lane(*lanes_, open_lane(op));
   if (block) {
     arrive(op, *lane);
     if (lane->native_barrier) {
@@ -110,25 +110,25 @@ void StoreCollectives::broadcast_send(const Key& key, const std::string& data, d
   if (world_ == 1) {
     return;
   }
-  LaneGuard lane(*lanes_);
-  lane->set(op.key(K::kDone), K::kTagData + data);
+  LaneGuard lane(*lanes_, open_lane(op));
+  put(*lane, op.key(K::kDone), data);
 }
 
 std::string StoreCollectives::broadcast_recv(const Key& key, double timeout) {
   Op op = begin("broadcast_recv", key, timeout);
-  std::string value;
+  std::pair<std::string, std::vector<std::string>> got;
   {
-    LaneGuard lane(*lanes_);
-    value = read(op, *lane, op.key(K::kDone));
+    LaneGuard lane(*lanes_, open_lane(op));
+    got = read(op, *lane, op.key(K::kDone));
   }
-  exit_later(op, world_ - 1, {K::kDone});
-  return value;
+  exit_later(op, world_ - 1, {K::kDone}, got.second);
+  return std::move(got.first);
 }
 
 void StoreCollectives::gather_send(const Key& key, const std::string& data, double timeout) {
   Op op = begin("gather_send", key, timeout);
-  LaneGuard lane(*lanes_);
-  lane->set(K::rank_slot(op.prefix, rank_), K::kTagData + data);
+  LaneGuard lane(*lanes_, open_lane(op));
+  put(*lane, K::rank_slot(op.prefix, rank_), data);
 }
 
 std::vector<std::string> StoreCollectives::gather_recv(const Key& key, const std::string& data, double timeout) {
@@ -141,18 +141,22 @@ std::vector<std::string> StoreCollectives::gather_recv(const Key& key, const std
   }
   std::vector<std::string> values;
   if (!slots.empty()) {
+    std::vector<std::string> garbage = slots;
     {
-      LaneGuard lane(*lanes_);
+      LaneGuard lane(*lanes_, open_lane(op));
+      std::vector<std::string> heads;
       try {
-        values = lane->multi_get(slots, op.left());
+        heads = lane->multi_get(slots, op.left());
       } catch (const std::exception& exc) {
         failure(op, exc);
       }
+      for (size_t i = 0; i < slots.size(); ++i) {
+        auto got = untag(op, *lane, slots[i], heads[i]);
+        values.push_back(std::move(got.first));
+        garbage.insert(garbage.end(), got.second.begin(), got.second.end());
+      }
     }
-    for (auto& v : values) {
-      v = untag(op, v);
-    }
-    delete_later(slots);
+    delete_later(garbage);
   }
   values.insert(values.begin() + rank_, data);
   return values;
@@ -161,14 +165,19 @@ std::vector<std::string> StoreCollectives::gather_recv(const Key& key, const std
 std::string StoreCollectives::scatter_send(const Key& key, const std::vector<std::string>& data, double timeout) {
   Op op = begin("scatter_send", key, timeout);
   std::vector<std::string> slots, values;
-  for (int r = 0; r < world_; ++r) {
-    if (r != rank_) {
-      slots.push_back(K::rank_slot(op.prefix, r));
-      values.push_back(K::kTagData + data.at(r));
+  if (world_ > 1) {
+    LaneGuard lane(*lanes_, open_lane(op));
+    for (int r = 0; r < world_; ++r) {
+      if (r != rank_) {
+        auto slot = K::rank_slot(op.prefix, r);
+        auto packed = K::pack(slot, data.at(r));
+        for (const auto& [ck, cv] : packed.second) {
+          lane->set(ck, cv);
+        }
+        slots.push_back(slot);
+        values.push_back(std::move(packed.first));
+      }
     }
-  }
-  if (!slots.empty()) {
-    LaneGuard lane(*lanes_);
     lane->multi_set(slots, values);
   }
   return data.at(rank_);
@@ -177,13 +186,14 @@ std::string StoreCollectives::scatter_send(const Key& key, const std::vector<std
 std::string StoreCollectives::scatter_recv(const Key& key, double timeout) {
   Op op = begin("scatter_recv", key, timeout);
   std::string slot = K::rank_slot(op.prefix, rank_);
-  std::string value;
+  std::pair<std::string, std::vector<std::string>> got;
   {
-    LaneGuard lane(*lanes_);
-    value = read(op, *lane, slot);
+    LaneGuard lane(*lanes_, open_lane(op));
+    got = read(op, *lane, slot);
   }
-  delete_later({slot});
-  return value;
+  got.second.push_back(slot);
+  delete_later(got.second);
+  return std::move(got.first);
 }
 
 std::vector<std::string> StoreCollectives::all_gather(const Key& key, const std::string& data, double timeout) {
@@ -220,6 +230,14 @@ void StoreCollectives::close(double flush_timeout) {
 
 // --------------------------------------------------------------------- internals
 
+std::unique_ptr<Lane> StoreCollectives::open_lane(const Op& op) {
+  try {
+    return lanes_->acquire();
+  } catch (const std::exception& exc) {
+    throw CollectiveError(op.name, op.label, "store error: " + error_text(exc));
+  }
+}
+
 Op StoreCollectives::begin(const std::string& name, const Key& key, double timeout) {
   int64_t seq = -1;
   {
@@ -244,8 +262,18 @@ void StoreCollectives::arrive(const Op& op, Lane& lane) {
   std::string done;
   try {
     if (lane.native_barrier) {
-      Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds);
-      lane.barrier(counter, world_, op.left());
+      {
+        Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds);
+        lane.barrier(counter, world_, op.left());
+      }
+      if (op.left() < 0.05) {
+        // TCPStore's native barrier can return normally when several waiters
+        // time out together: trust the counter, not the return.
+        auto value = lane.peek(counter);
+        if (value && is_digits(*value) && std::stoll(*value) < world_) {
+          throw std::runtime_error("barrier timeout");
+        }
+      }
       return;
     }
     if (lane.add(counter, 1) == world_) {
@@ -257,26 +285,32 @@ void StoreCollectives::arrive(const Op& op, Lane& lane) {
   } catch (const std::exception& exc) {
     failure(op, exc);
   }
-  untag(op, done);
+  untag(op, lane, op.key(K::kDone), done);
 }
 
 std::map<int, std::string> StoreCollectives::exchange(const Op& op, const std::string& payload) {
   std::string log_key = op.key(K::kLog);
-  std::string log;
-  {
-    LaneGuard lane(*lanes_);
-    lane->append(log_key, K::frame(rank_, payload));
-    arrive(op, *lane);
-    log = lane->peek(log_key).value_or("");
-  }
   std::map<int, std::string> entries;
-  for (auto& [rank, data] : K::parse_frames(log)) {
-    if (rank < 0) {
-      raise_abort(op, data);
+  std::vector<std::string> garbage;
+  {
+    LaneGuard lane(*lanes_, open_lane(op));
+    auto packed = K::pack(K::frame_key(log_key, rank_), payload);
+    for (const auto& [ck, cv] : packed.second) {
+      lane->set(ck, cv);
     }
-    entries[rank] = std::move(data);
+    lane->append(log_key, K::frame(rank_, packed.first));
+    arrive(op, *lane);
+    std::string log = lane->peek(log_key).value_or("");
+    for (auto& [rank, head] : K::parse_frames(log)) {
+      if (rank < 0) {
+        raise_abort(op, head);
+      }
+      auto got = untag(op, *lane, K::frame_key(log_key, rank), head);
+      entries[rank] = std::move(got.first);
+      garbage.insert(garbage.end(), got.second.begin(), got.second.end());
+    }
   }
-  exit_later(op, world_, {K::kLog, K::kArrive, K::kDone, K::kNames});
+  exit_later(op, world_, {K::kLog, K::kArrive, K::kDone, K::kNames}, garbage);
   if (static_cast<int>(entries.size()) != world_) {
     std::string found = "[";
     for (const auto& [r, v] : entries) {
@@ -291,19 +325,45 @@ std::map<int, std::string> StoreCollectives::exchange(const Op& op, const std::s
   return entries;
 }
 
-std::string StoreCollectives::read(const Op& op, Lane& lane, const std::string& key) {
+void StoreCollectives::put(Lane& lane, const std::string& key, const std::string& payload) {
+  auto packed = K::pack(key, payload);
+  for (const auto& [ck, cv] : packed.second) {
+    lane.set(ck, cv);
+  }
+  lane.set(key, packed.first);
+}
+
+std::pair<std::string, std::vector<std::string>> StoreCollectives::read(
+    const Op& op,
+    Lane& lane,
+    const std::string& key) {
   std::string value;
   try {
     value = lane.get(key, op.left());
   } catch (const std::exception& exc) {
     failure(op, exc);
   }
-  return untag(op, value);
+  return untag(op, lane, key, value);
 }
 
-std::string StoreCollectives::untag(const Op& op, const std::string& value) {
+std::pair<std::string, std::vector<std::string>> StoreCollectives::untag(
+    const Op& op,
+    Lane& lane,
+    const std::string& key,
+    const std::string& value) {
   if (!value.empty() && value[0] == K::kTagData) {
-    return value.substr(1);
+    return {value.substr(1), {}};
+  }
+  if (!value.empty() && value[0] == K::kTagChunks) {
+    std::vector<std::string> names;
+    for (size_t i = 0, n = K::chunk_count(value); i < n; ++i) {
+      names.push_back(K::chunk_key(key, i));
+    }
+    std::string payload;
+    for (const auto& part : lane.multi_get(names, std::max(op.left(), 1.0))) {
+      payload += part;
+    }
+    return {payload, names};
   }
   if (!value.empty() && value[0] == K::kTagAbort) {
     raise_abort(op, value.substr(1));
@@ -333,7 +393,7 @@ void StoreCollectives::failure(const Op& op, const std::exception& exc) {
   }
   std::string detail;
   try {
-    LaneGuard lane(*lanes_);
+    LaneGuard lane(*lanes_, open_lane(op));
     timeout(op, *lane);
   } catch (const CollectiveTimeout&) {
     throw;
@@ -411,12 +471,17 @@ void StoreCollectives::delete_later(std::vector<std::string> keys) {
   });
 }
 
-void StoreCollectives::exit_later(const Op& op, int64_t expected, const std::vector<std::string>& fields) {
+void StoreCollectives::exit_later(
+    const Op& op,
+    int64_t expected,
+    const std::vector<std::string>& fields,
+    const std::vector<std::string>& extra) {
   std::string exit_key = op.key(K::kExit);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     keys.push_back(op.key(f));
   }
+  keys.insert(keys.end(), extra.begin(), extra.end());
   keys.push_back(exit_key);
   watcher_->submit([exit_key, expected, keys](Lane& lane) {
     if (lane.add(exit_key, 1) >= expected) {

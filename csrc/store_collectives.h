@@ -53,10 +53,17 @@ class StoreCollectives {
 
  private:
   Op begin(const std::string& name, const Key& key, double timeout);
+  std::unique_ptr<Lane> open_lane(const Op& op);
   void arrive(const Op& op, Lane& lane);
   std::map<int, std::string> exchange(const Op& op, const std::string& payload);
-  std::string read(const Op& op, Lane& lane, const std::string& key);
-  std::string untag(const Op& op, const std::string& value);
+  void put(Lane& lane, const std::string& key, const std::string& payload);
+  // (payload, chunk keys to delete)
+  std::pair<std::string, std::vector<std::string>> read(const Op& op, Lane& lane, const std::string& key);
+  std::pair<std::string, std::vector<std::string>> untag(
+      const Op& op,
+      Lane& lane,
+      const std::string& key,
+      const std::string& value);
   void check_counter(const Op& op, const std::optional<std::string>& counter);
   [[noreturn]] void raise_abort(const Op& op, const std::string& notice);
 
@@ -65,7 +72,11 @@ class StoreCollectives {
   std::set<int> present_slots(const Op& op, Lane& lane);
 
   void delete_later(std::vector<std::string> keys);
-  void exit_later(const Op& op, int64_t expected, const std::vector<std::string>& fields);
+  void exit_later(
+      const Op& op,
+      int64_t expected,
+      const std::vector<std::string>& fields,
+      const std::vector<std::string>& extra = {});
   void delete_when_full(const Op& op);
 
   c10::intrusive_ptr<c10d::Store> store_;

@@ -37,9 +37,14 @@ LOG = "g"  # append-only log of frames (all_gather, all_sum)
 NAMES = "a"  # append-only log of "rank," written by ranks blocked past the grace period
 EXIT = "x"  # exit counter: the rank that brings it to the expected count deletes the keys
 
-# Value tags: the first byte of every single-value key.
-TAG_DATA = b"D"
-TAG_ABORT = b"A"
+# Value tags: the first byte of every single-value key (and of every log frame's payload).
+TAG_DATA = b"D"  # b"D" + payload
+TAG_CHUNKS = b"C"  # b"C{n}": the payload is in n chunk keys "{key}/c{i}", written before this value
+TAG_ABORT = b"A"  # b"A{rank}:{reason}"
+
+# Largest payload stored inline; larger ones are split into chunks (TCPStore's libuv
+# server rejects messages with a value over 8 MiB).
+CHUNK = 4 << 20
 
 # Added to a barrier counter to release native-barrier waiters on abort.
 ABORT_BIAS = 1 << 40
@@ -91,6 +96,29 @@ def rank_slot(prefix: str, rank: int) -> str:
 def group_key(world_size: int, name: str) -> str:
     """Group-wide key (abort notice, heartbeats)."""
     return f"{group_root(world_size)}/_/{name}"
+
+
+def chunk_key(key: str, index: int) -> str:
+    """Key of chunk ``index`` of the value stored at (or logged under) ``key``."""
+    return f"{key}/c{index}"
+
+
+def frame_key(log_key: str, rank: int) -> str:
+    """Virtual key of ``rank``'s frame in a log: its chunks live under it."""
+    return f"{log_key}/{rank}"
+
+
+def pack(key: str, payload: bytes) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """Tagged value for ``payload`` at ``key``, and the chunk keys to write first."""
+    if len(payload) <= CHUNK:
+        return TAG_DATA + payload, []
+    chunks = [(chunk_key(key, i), payload[off : off + CHUNK]) for i, off in enumerate(range(0, len(payload), CHUNK))]
+    return TAG_CHUNKS + str(len(chunks)).encode(), chunks
+
+
+def chunk_count(value: bytes) -> int:
+    """Number of chunks a ``TAG_CHUNKS`` value refers to."""
+    return int(value[1:])
 
 
 def frame(rank: int, payload: bytes) -> bytes:

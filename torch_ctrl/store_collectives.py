@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -83,7 +84,7 @@ class PyStoreCollectives(ControlCollectives):
         op = self._begin("barrier", key, timeout)
         if self._world == 1:
             return
-        with self._lanes.lane() as lane:
+        with self._lane(op) as lane:
             if block:
                 self._arrive(op, lane)
                 if lane.native_barrier:
@@ -108,21 +109,22 @@ class PyStoreCollectives(ControlCollectives):
         op = self._begin("broadcast_send", key, timeout)
         if self._world == 1:
             return
-        with self._lanes.lane() as lane:
-            lane.set(op.key(K.DONE), K.TAG_DATA + payload)
+        with self._lane(op) as lane:
+            self._put(lane, op.key(K.DONE), payload)
 
     def broadcast_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
         op = self._begin("broadcast_recv", key, timeout)
-        with self._lanes.lane() as lane:
-            value = self._read(op, lane, op.key(K.DONE))
-        self._exit_later(op, self._world - 1, [K.DONE])
+        done = op.key(K.DONE)
+        with self._lane(op) as lane:
+            value, chunks = self._read(op, lane, done)
+        self._exit_later(op, self._world - 1, [K.DONE], chunks)
         return value
 
     def gather_send(self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
         payload = to_bytes(data)
         op = self._begin("gather_send", key, timeout)
-        with self._lanes.lane() as lane:
-            lane.set(K.rank_slot(op.prefix, self._rank), K.TAG_DATA + payload)
+        with self._lane(op) as lane:
+            self._put(lane, K.rank_slot(op.prefix, self._rank), payload)
 
     def gather_recv(
         self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
@@ -133,13 +135,17 @@ class PyStoreCollectives(ControlCollectives):
         slots = [K.rank_slot(op.prefix, r) for r in others]
         values: list[bytes] = []
         if slots:
-            with self._lanes.lane() as lane:
+            garbage = list(slots)
+            with self._lane(op) as lane:
                 try:
-                    values = lane.multi_get(slots, op.left())
+                    heads = lane.multi_get(slots, op.left())
                 except Exception as exc:
                     raise self._failure(op, exc) from None
-            values = [self._untag(op, v) for v in values]
-            self._delete_later(slots)
+                for slot, head in zip(slots, heads):
+                    value, chunks = self._untag(op, lane, slot, head)
+                    values.append(value)
+                    garbage += chunks
+            self._delete_later(garbage)
         values.insert(self._rank, payload)
         return values
 
@@ -150,18 +156,25 @@ class PyStoreCollectives(ControlCollectives):
         op = self._begin("scatter_send", key, timeout)
         others = [r for r in range(self._world) if r != self._rank]
         if others:
-            with self._lanes.lane() as lane:
-                lane.multi_set(
-                    [K.rank_slot(op.prefix, r) for r in others], [K.TAG_DATA + payloads[r] for r in others]
-                )
+            names: list[str] = []
+            values: list[bytes] = []
+            with self._lane(op) as lane:
+                for r in others:
+                    slot = K.rank_slot(op.prefix, r)
+                    head, chunks = K.pack(slot, payloads[r])
+                    for chunk_key, chunk in chunks:
+                        lane.set(chunk_key, chunk)
+                    names.append(slot)
+                    values.append(head)
+                lane.multi_set(names, values)
         return payloads[self._rank]
 
     def scatter_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
         op = self._begin("scatter_recv", key, timeout)
         slot = K.rank_slot(op.prefix, self._rank)
-        with self._lanes.lane() as lane:
-            value = self._read(op, lane, slot)
-        self._delete_later([slot])
+        with self._lane(op) as lane:
+            value, chunks = self._read(op, lane, slot)
+        self._delete_later([slot, *chunks])
         return value
 
     def all_gather(
@@ -218,6 +231,17 @@ class PyStoreCollectives(ControlCollectives):
         prefix = K.op_prefix(self._world, user_key, seq)
         return _Op(name, label, prefix, seconds, time.monotonic() + seconds)
 
+    @contextmanager
+    def _lane(self, op: _Op) -> Iterator[Lane]:
+        """Borrow a lane for ``op`` (dropped, not reused, after an error); failing to
+        open one (store gone) is a one-line CollectiveError."""
+        try:
+            lane = self._lanes.acquire()
+        except Exception as exc:
+            raise collective_error(op.name, op.label, f"store error: {one_line(str(exc))}") from None
+        yield lane
+        self._lanes.release(lane)
+
     def _arrive(self, op: _Op, lane: Lane) -> None:
         """Arrive at the op's barrier and wait for every rank (native or add/done)."""
         counter = op.key(K.ARRIVE)
@@ -225,6 +249,12 @@ class PyStoreCollectives(ControlCollectives):
             if lane.native_barrier:
                 with self._watcher.blocked(op.key(K.NAMES), op.seconds):
                     lane.barrier(counter, self._world, op.left())
+                if op.left() < 0.05:
+                    # TCPStore's native barrier can return normally when several
+                    # waiters time out together: trust the counter, not the return.
+                    value = lane.peek(counter)
+                    if value is not None and int(value) < self._world:
+                        raise TimeoutError("barrier timeout")
                 return
             if lane.add(counter, 1) == self._world:
                 lane.set(op.key(K.DONE), K.TAG_DATA)
@@ -233,21 +263,26 @@ class PyStoreCollectives(ControlCollectives):
                 done = lane.get(op.key(K.DONE), op.left())
         except Exception as exc:
             raise self._failure(op, exc) from None
-        self._untag(op, done)
+        self._untag(op, lane, op.key(K.DONE), done)
 
     def _exchange(self, op: _Op, payload: bytes) -> dict[int, bytes]:
         """all_gather/all_sum: append a frame to the log, arrive, read the whole log."""
         log_key = op.key(K.LOG)
-        with self._lanes.lane() as lane:
-            lane.append(log_key, K.frame(self._rank, payload))
+        entries: dict[int, bytes] = {}
+        garbage: list[str] = []
+        with self._lane(op) as lane:
+            head, chunks = K.pack(K.frame_key(log_key, self._rank), payload)
+            for chunk_key, chunk in chunks:
+                lane.set(chunk_key, chunk)
+            lane.append(log_key, K.frame(self._rank, head))
             self._arrive(op, lane)
             log = lane.peek(log_key) or b""
-        entries: dict[int, bytes] = {}
-        for rank, data in K.parse_frames(log):
-            if rank < 0:
-                self._raise_abort(op, data)
-            entries[rank] = data
-        self._exit_later(op, self._world, [K.LOG, K.ARRIVE, K.DONE, K.NAMES])
+            for rank, head in K.parse_frames(log):
+                if rank < 0:
+                    self._raise_abort(op, head)
+                entries[rank], used = self._untag(op, lane, K.frame_key(log_key, rank), head)
+                garbage += used
+        self._exit_later(op, self._world, [K.LOG, K.ARRIVE, K.DONE, K.NAMES], garbage)
         if len(entries) != self._world:
             raise collective_error(
                 op.name,
@@ -256,17 +291,28 @@ class PyStoreCollectives(ControlCollectives):
             )
         return entries
 
-    def _read(self, op: _Op, lane: Lane, key: str) -> bytes:
-        """Blocking read of one tagged value."""
+    def _put(self, lane: Lane, key: str, payload: bytes) -> None:
+        """Write a tagged value: its chunks first (if any), then the value itself."""
+        head, chunks = K.pack(key, payload)
+        for chunk_key, chunk in chunks:
+            lane.set(chunk_key, chunk)
+        lane.set(key, head)
+
+    def _read(self, op: _Op, lane: Lane, key: str) -> tuple[bytes, list[str]]:
+        """Blocking read of one tagged value: ``(payload, chunk keys to delete)``."""
         try:
             value = lane.get(key, op.left())
         except Exception as exc:
             raise self._failure(op, exc) from None
-        return self._untag(op, value)
+        return self._untag(op, lane, key, value)
 
-    def _untag(self, op: _Op, value: bytes) -> bytes:
+    def _untag(self, op: _Op, lane: Lane, key: str, value: bytes) -> tuple[bytes, list[str]]:
+        """Decode a tagged value read from ``key``: ``(payload, chunk keys)``; raise on abort."""
         if value[:1] == K.TAG_DATA:
-            return value[1:]
+            return value[1:], []
+        if value[:1] == K.TAG_CHUNKS:
+            names = [K.chunk_key(key, i) for i in range(K.chunk_count(value))]
+            return b"".join(lane.multi_get(names, max(op.left(), 1.0))), names
         if value[:1] == K.TAG_ABORT:
             self._raise_abort(op, value[1:])
         raise collective_error(op.name, op.label, "unexpected value in the store (not written by torch_ctrl?)")
@@ -286,7 +332,7 @@ class PyStoreCollectives(ControlCollectives):
         if time.monotonic() < op.deadline - 0.01 and "timeout" not in text.lower():
             return collective_error(op.name, op.label, f"store error: {text}")
         try:
-            with self._lanes.lane() as lane:
+            with self._lane(op) as lane:
                 return self._timeout(op, lane)
         except Exception as diag_exc:  # noqa: BLE001 - diagnostics must not hide the timeout
             return timeout_error(op.name, op.label, op.seconds, self._world, detail=f"({one_line(str(diag_exc))})")
@@ -332,10 +378,10 @@ class PyStoreCollectives(ControlCollectives):
 
         self._watcher.submit(task)
 
-    def _exit_later(self, op: _Op, expected: int, fields: list[str]) -> None:
+    def _exit_later(self, op: _Op, expected: int, fields: list[str], extra: Sequence[str] = ()) -> None:
         """Count this rank out; the rank that completes the count deletes the op's keys."""
         exit_key = op.key(K.EXIT)
-        keys = [op.key(f) for f in fields] + [exit_key]
+        keys = [op.key(f) for f in fields] + list(extra) + [exit_key]
 
         def task(lane: Lane) -> None:
             if lane.add(exit_key, 1) >= expected:

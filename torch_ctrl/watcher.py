@@ -121,7 +121,15 @@ class Watcher:
                 self._cv.wait(max(0.0, min(pending) - now) if pending else None)
 
     def _run(self) -> None:
-        lane = self._lanes.acquire()
+        try:
+            lane = self._lanes.acquire()
+        except Exception as exc:  # noqa: BLE001 - store gone: nothing left to clean
+            log.debug("torch_ctrl watcher cannot open a lane: %s", exc)
+            with self._cv:
+                self._tasks.clear()
+                self._busy = False
+                self._cv.notify_all()
+            return
         while True:
             tasks, names = self._next_work()
             for key in names:

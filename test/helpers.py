@@ -1,0 +1,167 @@
+"""Shared test fixtures: real stores (one client per rank), implementations, and
+a runner that executes one function per rank on its own thread."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+import torch_ctrl
+from torch_ctrl import PyStoreCollectives
+
+try:
+    from torch_ctrl.cpp import CppStoreCollectives
+except Exception:  # noqa: BLE001 - extension not built
+    CppStoreCollectives = None  # type: ignore[assignment,misc]
+
+HOST = "127.0.0.1"
+
+
+class DictStore(dist.Store):
+    """A Python-written store with only the basic API (like torch's EtcdStore): thread safe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._data: dict[str, bytes] = {}
+        self._cv = threading.Condition()
+
+    def set(self, key: str, value: Any) -> None:
+        with self._cv:
+            self._data[key] = value.encode() if isinstance(value, str) else bytes(value)
+            self._cv.notify_all()
+
+    def get(self, key: str) -> bytes:
+        self.wait([key], timedelta(seconds=300))
+        with self._cv:
+            return self._data[key]
+
+    def add(self, key: str, value: int) -> int:
+        with self._cv:
+            new = int(self._data.get(key, b"0")) + value
+            self._data[key] = str(new).encode()
+            self._cv.notify_all()
+            return new
+
+    def check(self, keys: list[str]) -> bool:
+        with self._cv:
+            return all(k in self._data for k in keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        secs = 300.0 if timeout is None else timeout.total_seconds()
+        with self._cv:
+            if not self._cv.wait_for(lambda: all(k in self._data for k in keys), secs):
+                raise dist.DistStoreError(f"wait timeout after {secs}s, keys: {keys}")
+
+    def delete_key(self, key: str) -> bool:
+        with self._cv:
+            return self._data.pop(key, None) is not None
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        expected = expected.encode() if isinstance(expected, str) else bytes(expected)
+        desired = desired.encode() if isinstance(desired, str) else bytes(desired)
+        with self._cv:
+            if key not in self._data:
+                if expected == b"":
+                    self._data[key] = desired
+                    self._cv.notify_all()
+                    return desired
+                return expected
+            if self._data[key] == expected:
+                self._data[key] = desired
+                self._cv.notify_all()
+                return desired
+            return self._data[key]
+
+    def num_keys(self) -> int:
+        with self._cv:
+            return len(self._data)
+
+
+class Stores:
+    """A family of store handles on one backing store: ``client(rank)`` and ``admin``."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._cleanup: list[Callable[[], None]] = []
+        if kind in ("tcp", "tcp_nolibuv", "prefix", "prefix_nested"):
+            libuv = kind != "tcp_nolibuv"
+            self.server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, use_libuv=libuv)
+            self.port = self.server.port
+        elif kind == "file":
+            fd, self.path = tempfile.mkstemp(prefix="torch_ctrl_test_")
+            os.close(fd)
+            os.unlink(self.path)
+            self._keep = dist.FileStore(self.path, -1)
+        elif kind == "hash":
+            self._shared: dist.Store = dist.HashStore()
+        elif kind == "python":
+            self._shared = DictStore()
+        else:
+            raise ValueError(kind)
+        self.admin = self.client(-1)
+
+    def client(self, rank: int) -> dist.Store:
+        """A store handle for one rank (its own connection where the kind has them)."""
+        if self.kind in ("tcp", "tcp_nolibuv"):
+            return dist.TCPStore(HOST, self.port, is_master=False, use_libuv=self.kind == "tcp")
+        if self.kind == "prefix":
+            return dist.PrefixStore("job", dist.TCPStore(HOST, self.port, is_master=False))
+        if self.kind == "prefix_nested":
+            return dist.PrefixStore("a", dist.PrefixStore("b/", dist.TCPStore(HOST, self.port, is_master=False)))
+        if self.kind == "file":
+            return dist.FileStore(self.path, -1)
+        return self._shared
+
+
+STORE_KINDS = ["tcp", "tcp_nolibuv", "file", "hash", "prefix", "prefix_nested", "python"]
+IMPLS = ["cpp", "python", "mixed"] if CppStoreCollectives is not None else ["python"]
+
+
+def make(impl: str, store: dist.Store, rank: int, world_size: int) -> torch_ctrl.ControlCollectives:
+    """An instance of the implementation under test; ``mixed``: odd ranks Python, even ranks C++."""
+    if impl == "python" or (impl == "mixed" and rank % 2):
+        return PyStoreCollectives(store, rank, world_size)
+    assert CppStoreCollectives is not None, "C++ extension not built"
+    return CppStoreCollectives(store, rank, world_size)
+
+
+def run_ranks(world_size: int, fn: Callable[[int], Any], timeout: float = 60.0) -> list[Any]:
+    """Run ``fn(rank)`` on one thread per rank; return results in rank order, re-raise the first error."""
+    results: list[Any] = [None] * world_size
+    errors: list[tuple[int, BaseException]] = []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            errors.append((rank, exc))
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"ranks still running after {timeout}s")
+    if errors:
+        raise errors[0][1]
+    return results
+
+
+def run_group(impl: str, stores: Stores, world_size: int, fn: Callable[[Any, int], Any], timeout: float = 60.0) -> list[Any]:
+    """``fn(coll, rank)`` on every rank, each with its own store client and instance."""
+
+    def body(rank: int) -> Any:
+        coll = make(impl, stores.client(rank), rank, world_size)
+        try:
+            return fn(coll, rank)
+        finally:
+            coll.close()
+
+    return run_ranks(world_size, body, timeout)

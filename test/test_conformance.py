@@ -1,0 +1,144 @@
+"""Every collective, on every implementation (C++, Python, mixed) x every store kind."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from helpers import Stores, make, run_group
+
+WORLD = 4
+
+
+def test_barrier_and_keyless(impl: str, stores: Stores) -> None:
+    def fn(coll, rank):
+        coll.barrier("b1", timedelta(seconds=30))
+        coll.barrier()  # automatic key
+        coll.barrier(timeout=30)
+        return True
+
+    assert run_group(impl, stores, WORLD, fn) == [True] * WORLD
+
+
+def test_broadcast(impl: str, stores: Stores) -> None:
+    def fn(coll, rank):
+        if rank == 2:
+            coll.broadcast_send("bc", b"payload", 30)
+            return None
+        return coll.broadcast_recv("bc", 30)
+
+    out = run_group(impl, stores, WORLD, fn)
+    assert out == [b"payload", b"payload", None, b"payload"]
+
+
+def test_gather(impl: str, stores: Stores) -> None:
+    def fn(coll, rank):
+        if rank == 1:
+            return coll.gather_recv("g", f"from{rank}", 30)
+        coll.gather_send("g", f"from{rank}".encode(), 30)
+        return None
+
+    out = run_group(impl, stores, WORLD, fn)
+    assert out[1] == [b"from0", b"from1", b"from2", b"from3"]
+
+
+def test_scatter(impl: str, stores: Stores) -> None:
+    def fn(coll, rank):
+        if rank == 3:
+            return coll.scatter_send("s", [bytearray(b"to%d" % i) for i in range(WORLD)], 30)
+        return coll.scatter_recv("s", 30)
+
+    assert run_group(impl, stores, WORLD, fn) == [b"to0", b"to1", b"to2", b"to3"]
+
+
+def test_all_gather(impl: str, stores: Stores) -> None:
+    def fn(coll, rank):
+        return coll.all_gather("ag", memoryview(b"r%d" % rank), 30)
+
+    expected = [b"r0", b"r1", b"r2", b"r3"]
+    assert run_group(impl, stores, WORLD, fn) == [expected] * WORLD
+
+
+def test_all_sum(impl: str, stores: Stores) -> None:
+    def fn(coll, rank):
+        return coll.all_sum("sum", rank + 1, 30)
+
+    assert run_group(impl, stores, WORLD, fn) == [10] * WORLD
+
+
+def test_keyless_sequence_mixes_ops(impl: str, stores: Stores) -> None:
+    """key=None on every method: ranks issue the same sequence and match up."""
+
+    def fn(coll, rank):
+        coll.barrier()
+        got = coll.all_gather(data=b"x%d" % rank)
+        total = coll.all_sum(data=rank)
+        if rank == 0:
+            coll.broadcast_send(data=b"hi")
+            mine = b"hi"
+        else:
+            mine = coll.broadcast_recv()
+        return got, total, mine
+
+    out = run_group(impl, stores, WORLD, fn)
+    assert all(o == ([b"x0", b"x1", b"x2", b"x3"], 6, b"hi") for o in out)
+
+
+@pytest.mark.parametrize("size", [0, 1, 16 * 1024 * 1024])
+def test_payload_sizes(impl: str, size: int) -> None:
+    stores = Stores("tcp")
+    blob = bytes(range(256)) * (size // 256) + b"\x00" * (size % 256)
+
+    def fn(coll, rank):
+        if rank == 0:
+            coll.broadcast_send("big", blob, 60)
+            got = blob
+        else:
+            got = coll.broadcast_recv("big", 60)
+        every = coll.all_gather("big-ag", blob if rank == 0 else b"", 60)
+        return got == blob and every[0] == blob and every[1] == b""
+
+    assert run_group(impl, stores, 2, fn, timeout=120) == [True, True]
+
+
+def test_all_sum_wraps_like_int64(impl: str) -> None:
+    stores = Stores("tcp")
+    big = (1 << 63) - 1
+    out = run_group(impl, stores, 2, lambda coll, rank: coll.all_sum("w", big if rank == 0 else 1, 30))
+    assert out == [-(1 << 63)] * 2
+    out = run_group(impl, stores, 2, lambda coll, rank: coll.all_sum("neg", -5 * (rank + 1), 30))
+    assert out == [-15, -15]
+
+
+def test_world_of_one(impl: str) -> None:
+    stores = Stores("tcp")
+    coll = make(impl, stores.client(0), 0, 1)
+    coll.barrier()
+    coll.broadcast_send("b", b"x")
+    assert coll.gather_recv("g", b"me") == [b"me"]
+    assert coll.scatter_send("s", [b"only"]) == b"only"
+    assert coll.all_gather("ag", b"a") == [b"a"]
+    assert coll.all_sum("sum", 7) == 7
+    coll.close()
+    assert stores.admin.num_keys() <= 1
+
+
+def test_results_are_bytes(impl: str) -> None:
+    stores = Stores("tcp")
+
+    def fn(coll, rank):
+        got = coll.all_gather("t", "é" if rank else b"\xff", 30)
+        return [type(x) for x in got], got
+
+    out = run_group(impl, stores, 2, fn)
+    assert out[0][0] == [bytes, bytes]
+    assert out[0][1] == [b"\xff", "é".encode()]
+
+
+def test_nonblocking_barrier(impl: str, stores: Stores) -> None:
+    def fn(coll, rank):
+        coll.barrier("nb", 30, block=rank != 0)
+        return True
+
+    assert run_group(impl, stores, WORLD, fn) == [True] * WORLD

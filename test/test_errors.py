@@ -1,0 +1,220 @@
+"""Bad input fails before any store traffic; timeouts are one-line, typed, and name missing ranks."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+import torch_ctrl
+from helpers import DictStore, Stores, make, run_ranks
+from torch_ctrl import CollectiveTimeoutError, KeyReusedError
+
+
+def test_timeout_error_is_dist_store_error() -> None:
+    assert issubclass(CollectiveTimeoutError, dist.DistStoreError)
+    assert issubclass(torch_ctrl.CollectiveAbortedError, dist.DistStoreError)
+    assert issubclass(KeyReusedError, ValueError) and issubclass(KeyReusedError, RuntimeError)
+
+
+@pytest.mark.parametrize(
+    "args, exc",
+    [
+        ((0, 0), ValueError),
+        ((2, 2), ValueError),
+        ((-1, 2), ValueError),
+        (("0", 2), TypeError),
+        ((0, 2.0), TypeError),
+        ((True, 2), TypeError),
+    ],
+)
+def test_bad_construction(impl: str, args: tuple, exc: type) -> None:
+    store = dist.HashStore()
+    with pytest.raises(exc):
+        make(impl, store, *args)
+
+
+def test_store_must_be_a_store(impl: str) -> None:
+    with pytest.raises(TypeError, match="torch.distributed.Store"):
+        make(impl, {"not": "a store"}, 0, 2)  # type: ignore[arg-type]
+
+
+BAD_CALLS = [
+    ("barrier", dict(key=b"bytes-key")),
+    ("barrier", dict(key="k", timeout=-1)),
+    ("barrier", dict(key="k", timeout="1s")),
+    ("barrier", dict(key="k", timeout=timedelta(seconds=-1))),
+    ("broadcast_send", dict(key="k", data=123)),
+    ("broadcast_send", dict(key="k")),
+    ("gather_send", dict(key="k", data=["x"])),
+    ("gather_recv", dict(key="k", data=None)),
+    ("scatter_send", dict(key="k", data=[b"a"])),
+    ("scatter_send", dict(key="k", data=b"ab")),
+    ("scatter_send", dict(key="k", data=[b"a", 1])),
+    ("all_gather", dict(key="k", data=1.5)),
+    ("all_sum", dict(key="k", data=1.5)),
+    ("all_sum", dict(key="k", data="3")),
+    ("all_sum", dict(key="k", data=1 << 63)),
+    ("all_sum", dict(key="k")),
+]
+
+
+@pytest.mark.parametrize("method, kwargs", BAD_CALLS)
+def test_bad_input_before_store_traffic(impl: str, method: str, kwargs: dict) -> None:
+    store = DictStore()
+    coll = make(impl, store, 0, 2)
+    with pytest.raises((TypeError, ValueError)):
+        getattr(coll, method)(**kwargs)
+    assert store.num_keys() == 0
+    coll.close()
+
+
+def test_key_reuse_rejected_before_store_traffic(impl: str) -> None:
+    store = DictStore()
+    coll = make(impl, store, 0, 1)
+    coll.barrier("once")
+    with pytest.raises(KeyReusedError, match="has already been used"):
+        coll.all_gather("once", b"x")
+    with pytest.raises(RuntimeError, match="has already been used"):
+        coll.barrier("once")
+    coll.close()
+    assert store.num_keys() == 0
+
+
+def test_bad_input_does_not_burn_the_key(impl: str) -> None:
+    stores = Stores("hash")
+
+    def fn(rank):
+        coll = make(impl, stores.client(rank), rank, 2)
+        if rank == 0:
+            with pytest.raises(TypeError):
+                coll.broadcast_send("k", 42)  # type: ignore[arg-type]
+            coll.broadcast_send("k", b"fine", 10)
+            return b"fine"
+        return coll.broadcast_recv("k", 10)
+
+    assert run_ranks(2, fn) == [b"fine", b"fine"]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc)
+    assert "\n" not in text, text
+    assert "Exception raised from" not in text and "frame #" not in text
+    return text
+
+
+def test_barrier_timeout_names_missing_ranks(impl: str, stores: Stores) -> None:
+    world = 4
+
+    def fn(rank):
+        if rank in (0, 2, 3):
+            return None  # never arrive
+        coll = make(impl, stores.client(rank), rank, world)
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError) as info:
+            coll.barrier("lonely", timedelta(seconds=1))
+        took = time.monotonic() - start
+        coll.close()
+        return info.value, took
+
+    exc, took = run_ranks(world, fn)[1]
+    text = _one_line(exc)
+    assert took < 5
+    assert "barrier" in text and "'lonely'" in text
+    assert "1/4 ranks arrived" in text
+    assert "missing ranks: [0, 2, 3]" in text
+    assert exc.missing == [0, 2, 3] and exc.arrived == 1 and exc.world_size == 4
+
+
+def test_barrier_timeout_several_present(impl: str) -> None:
+    stores, world = Stores("tcp"), 5
+
+    def fn(rank):
+        if rank == 3:
+            return None
+        coll = make(impl, stores.client(rank), rank, world)
+        with pytest.raises(CollectiveTimeoutError) as info:
+            coll.barrier("b", 2.0)
+        coll.close()
+        return str(info.value)
+
+    out = run_ranks(world, fn)
+    for rank in (0, 1, 2, 4):
+        assert "4/5 ranks arrived; missing ranks: [3]" in out[rank], out[rank]
+
+
+def test_missing_ranks_list_is_capped(impl: str) -> None:
+    stores, world = Stores("hash"), 40
+    coll = make(impl, stores.client(0), 0, world)
+    with pytest.raises(CollectiveTimeoutError) as info:
+        coll.all_gather("ag", b"x", 0.2)
+    text = str(info.value)
+    assert "missing ranks: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16] and 23 more" in text
+    assert "1/40 ranks arrived" in text
+    coll.close()
+
+
+@pytest.mark.parametrize("op", ["all_gather", "all_sum", "gather_recv"])
+def test_participant_ops_name_missing_ranks(impl: str, stores: Stores, op: str) -> None:
+    world = 4
+
+    def fn(rank):
+        coll = make(impl, stores.client(rank), rank, world)
+        try:
+            if rank == 1:
+                return None
+            if op == "gather_recv":
+                if rank == 0:
+                    with pytest.raises(CollectiveTimeoutError) as info:
+                        coll.gather_recv("k", b"me", 1.5)
+                    return str(info.value)
+                coll.gather_send("k", b"x", 1.5)
+                return None
+            with pytest.raises(CollectiveTimeoutError) as info:
+                if op == "all_gather":
+                    coll.all_gather("k", b"x", 1.5)
+                else:
+                    coll.all_sum("k", 1, 1.5)
+            return str(info.value)
+        finally:
+            coll.close()
+
+    out = run_ranks(world, fn)
+    text = out[0]
+    assert text.startswith(f"{op} 'k' timed out after 1.5s"), text
+    assert "3/4 ranks arrived; missing ranks: [1]" in text
+    _one_line(Exception(text))
+
+
+@pytest.mark.parametrize("op", ["broadcast_recv", "scatter_recv"])
+def test_rooted_receive_timeout_says_nothing_sent(impl: str, op: str) -> None:
+    stores = Stores("tcp")
+    coll = make(impl, stores.client(1), 1, 2)
+    with pytest.raises(CollectiveTimeoutError) as info:
+        getattr(coll, op)("never", 0.3)
+    text = _one_line(info.value)
+    assert text == f"{op} 'never' timed out after 0.3s: nothing was sent"
+    coll.close()
+
+
+def test_auto_key_label_in_errors(impl: str) -> None:
+    stores = Stores("hash")
+    coll = make(impl, stores.client(0), 0, 2)
+    coll.barrier(block=False)
+    with pytest.raises(CollectiveTimeoutError, match=r"barrier '#1' timed out"):
+        coll.barrier(timeout=0.2)
+    coll.close()
+
+
+def test_store_error_is_one_line(impl: str) -> None:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=2))
+    coll = make(impl, client, 0, 2)
+    coll.barrier("warm", block=False)
+    del server  # the store goes away
+    with pytest.raises(torch_ctrl.CollectiveError) as info:
+        coll.broadcast_recv("gone", 5)
+    _one_line(info.value)
+    assert isinstance(info.value, dist.DistStoreError)
