@@ -2,6 +2,7 @@
 // talks to the store; C++ exceptions become torch_ctrl.errors exceptions, built by
 // the same Python functions the pure-Python implementation uses.
 #include "errors.h"
+#include "keys.h"
 #include "store_collectives.h"
 
 #include <torch/csrc/utils/pybind.h>
@@ -49,6 +50,12 @@ py::list to_list(const std::vector<std::string>& values) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_ctrl C++ implementation of StoreCollectives";
   py::register_exception_translator(&translate);
+  torch_ctrl::python_delete_key = [](c10d::Store& store, const std::string& key) {
+    py::gil_scoped_acquire gil;
+    py::object obj = py::cast(c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store));
+    obj.attr("delete_key")(key);
+  };
+  m.def("_op_prefix", &torch_ctrl::keys::op_prefix, "Key prefix of one collective (for layout tests).");
 
   py::class_<StoreCollectives, std::shared_ptr<StoreCollectives>>(m, "StoreCollectives")
       .def(py::init<c10::intrusive_ptr<c10d::Store>, int, int>(), py::arg("store"), py::arg("rank"),

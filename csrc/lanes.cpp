@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
 namespace torch_ctrl {
 
@@ -40,8 +41,17 @@ int64_t Lane::add(const std::string& key, int64_t value) {
   return store->add(key, value);
 }
 
+std::function<void(c10d::Store&, const std::string&)> python_delete_key;
+
 void Lane::remove(const std::string& key) {
-  store->deleteKey(key);
+  try {
+    store->deleteKey(key);
+  } catch (const std::exception& exc) {
+    if (!python_delete_key || std::string(exc.what()).find("pure virtual") == std::string::npos) {
+      throw;
+    }
+    python_delete_key(*store, key);
+  }
 }
 
 std::optional<std::string> Lane::peek(const std::string& key) {
@@ -95,10 +105,17 @@ void Lane::wait(const std::vector<std::string>& keys, double seconds) {
   store->wait(keys, millis(seconds));
 }
 
-std::string Lane::get(const std::string& key, double seconds) {
+bool Lane::fits(double seconds) {
   if (owned) {
     arm(seconds);
-  } else {
+    return true;
+  }
+  double own = std::chrono::duration<double>(store->getTimeout()).count();
+  return std::abs(own - seconds) <= 0.01 * seconds + 0.01;
+}
+
+std::string Lane::get(const std::string& key, double seconds) {
+  if (!fits(seconds)) {
     wait({key}, seconds);
   }
   return str(store->get(key));
@@ -107,11 +124,13 @@ std::string Lane::get(const std::string& key, double seconds) {
 std::vector<std::string> Lane::multi_get(const std::vector<std::string>& keys, double seconds) {
   std::vector<std::string> out;
   out.reserve(keys.size());
-  if (owned && extended) {
-    arm(seconds);
-  } else {
-    wait(keys, seconds);
+  if (extended && fits(seconds)) {
+    for (const auto& v : store->multiGet(keys)) {
+      out.push_back(str(v));
+    }
+    return out;
   }
+  wait(keys, seconds);
   if (extended) {
     for (const auto& v : store->multiGet(keys)) {
       out.push_back(str(v));

@@ -6,6 +6,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -15,6 +16,10 @@
 namespace torch_ctrl {
 
 c10::intrusive_ptr<c10d::Store> base_store(c10::intrusive_ptr<c10d::Store> store);
+
+// torch's trampoline for Python-written stores does not forward delete_key to
+// Python; the bindings install this hook to call the Python method directly.
+extern std::function<void(c10d::Store&, const std::string&)> python_delete_key;
 
 struct Lane {
   c10::intrusive_ptr<c10d::Store> store;
@@ -39,6 +44,7 @@ struct Lane {
 
  private:
   void arm(double seconds);
+  bool fits(double seconds);
 };
 
 class Lanes {

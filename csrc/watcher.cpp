@@ -49,7 +49,12 @@ void Watcher::start_locked() {
 }
 
 void Watcher::submit(Task task) {
-  std::lock_guard<std::mutex> lock(state_->mutex);
+  std::unique_lock<std::mutex> lock(state_->mutex);
+  start_locked();
+  // Back-pressure: a tight loop of collectives must not outrun its cleanup.
+  while (state_->tasks.size() >= kMaxPending && state_->running) {
+    state_->cv.wait_for(lock, std::chrono::milliseconds(100));
+  }
   state_->tasks.push_back(std::move(task));
   start_locked();
   state_->cv.notify_all();
@@ -145,8 +150,12 @@ void Watcher::run(std::shared_ptr<State> st, int rank) {
       continue;
     }
     std::deque<Task> tasks;
-    tasks.swap(st->tasks);
-    st->busy = true;
+    if (!st->tasks.empty()) {
+      tasks.push_back(std::move(st->tasks.front()));
+      st->tasks.pop_front();
+    }
+    st->busy = !tasks.empty();
+    st->cv.notify_all();
     lock.unlock();
     for (const auto& key : names) {
       try {

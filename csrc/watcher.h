@@ -21,6 +21,9 @@ using Task = std::function<void(Lane&)>;
 
 double grace_period(double timeout);
 
+// Most cleanup tasks queued per instance (twin of watcher.MAX_PENDING).
+constexpr size_t kMaxPending = 4;
+
 class Watcher {
  public:
   Watcher(std::shared_ptr<Lanes> lanes, int rank);

@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import statistics
 import sys
 import threading
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from queue import Empty
 from typing import Any, Callable
 
 import torch
@@ -194,7 +196,12 @@ def run_world(world: int, port: int, opts: argparse.Namespace, tag: str) -> list
         procs = [ctx.Process(target=_process_rank, args=(w, r, sync, queue), daemon=True) for r in range(world)]
         for p in procs:
             p.start()
-        results.update(queue.get(timeout=opts.timeout * (len(tasks) + 2)) for _ in procs)
+        while len(results) < world:
+            try:
+                results.update([queue.get(timeout=1.0)])
+            except Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"world size {world}: a rank died: {[p.exitcode for p in procs]}") from None
         for p in procs:
             p.join()
     failed = {r: v for r, v in results.items() if isinstance(v, str)}
@@ -466,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # torch's TCPStore looks up every peer's host name, on the server's event loop too: where DNS drops such
     # queries, each one stalls the whole server for the resolver timeout (5 s). Only connection setup does it.
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
-    meta = {**machine(), "command": " ".join(["python -m torch_ctrl bench", *args]), "open_files": raise_open_files()}
+    meta = {**machine(), "command": "python -m torch_ctrl bench " + shlex.join(args), "open_files": raise_open_files()}
     meta.update(mode=opts.mode, payload=opts.payload, rounds=opts.rounds, timeout_s=opts.timeout)
     print(
         f"# {meta['command']}\n# {meta['cpu']} x{meta['nproc']}, torch {meta['torch']}, mode={opts.mode}, "

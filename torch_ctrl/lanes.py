@@ -88,18 +88,27 @@ class Lane:
     def wait(self, keys: Sequence[str], seconds: float) -> None:
         self.store.wait(list(keys), timedelta(seconds=max(seconds, _TICK)))
 
-    def get(self, key: str, seconds: float) -> bytes:
-        """Wait for ``key`` and read it (one call on an owned lane)."""
+    def _fits(self, seconds: float) -> bool:
+        """True when a plain blocking read can be used: the lane is ours (its timeout is
+        set per call), or the shared store's own timeout matches ours (within 1%)."""
         if self.owned:
             self._arm(seconds)
-        else:
+            return True
+        try:
+            own = self.store.timeout.total_seconds()
+        except Exception:  # noqa: BLE001 - Python stores without a timeout
+            return False
+        return abs(own - seconds) <= 0.01 * seconds + 0.01
+
+    def get(self, key: str, seconds: float) -> bytes:
+        """Wait for ``key`` and read it: one call where the store's timeout fits, else wait + get."""
+        if not self._fits(seconds):
             self.wait([key], seconds)
         return bytes(self.store.get(key))
 
     def multi_get(self, keys: Sequence[str], seconds: float) -> list[bytes]:
         """Wait for all ``keys`` and read them."""
-        if self.owned and self.extended:
-            self._arm(seconds)
+        if self.extended and self._fits(seconds):
             return [bytes(v) for v in self.store.multi_get(list(keys))]
         self.wait(keys, seconds)
         if self.extended:

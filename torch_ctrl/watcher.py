@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 Task = Callable[[Lane], None]
 
+# Most cleanup tasks queued per instance: a caller that would exceed it waits, so a
+# tight loop of collectives cannot outrun its cleanup and grow the store.
+MAX_PENDING = 4
+
 
 def grace_period(timeout: float) -> float:
     """How long a rank waits before naming itself: a quarter of the timeout, at most 1 s."""
@@ -58,11 +62,15 @@ class Watcher:
 
     # -- API used by the collectives -------------------------------------------
     def submit(self, task: Task) -> None:
-        """Run ``task(lane)`` in the background, in submission order."""
+        """Run ``task(lane)`` in the background, in submission order (waits while
+        ``MAX_PENDING`` tasks are queued)."""
         with self._cv:
+            self._start()
+            while len(self._tasks) >= MAX_PENDING and self._thread is not None and self._thread.is_alive():
+                self._cv.wait(0.1)
             self._tasks.append(task)
             self._start()
-            self._cv.notify()
+            self._cv.notify_all()
 
     @contextmanager
     def blocked(self, names_key: str, timeout: float) -> Iterator[None]:
@@ -113,9 +121,9 @@ class Watcher:
                     if b.due <= now:
                         b.named = True
                 if self._tasks or names or self._closed:
-                    tasks = list(self._tasks)
-                    self._tasks.clear()
+                    tasks = [self._tasks.popleft()] if self._tasks else []
                     self._busy = bool(tasks)
+                    self._cv.notify_all()
                     return tasks, names
                 pending = [b.due for b in self._blocked.values() if not b.named]
                 self._cv.wait(max(0.0, min(pending) - now) if pending else None)

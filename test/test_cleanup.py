@@ -1,0 +1,63 @@
+"""The store stays bounded: keys of finished collectives are deleted."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import Stores, make, run_ranks
+
+WORLD = 4
+BOUND = 20 * WORLD + 20
+
+
+def _rounds(coll, rank: int, start: int, stop: int, keyed: bool) -> None:
+    for i in range(start, stop):
+        k = (lambda name: f"{name}{i}") if keyed else (lambda name: None)
+        coll.barrier(k("b"), 30)
+        if rank == 0:
+            coll.broadcast_send(k("bc"), b"x" * 32, 30)
+        else:
+            coll.broadcast_recv(k("bc"), 30)
+        if rank == 1:
+            coll.gather_recv(k("g"), b"g", 30)
+        else:
+            coll.gather_send(k("g"), b"g", 30)
+        if rank == 2:
+            coll.scatter_send(k("s"), [b"s"] * WORLD, 30)
+        else:
+            coll.scatter_recv(k("s"), 30)
+        coll.all_gather(k("ag"), b"a", 30)
+        coll.all_sum(k("sum"), rank, 30)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("keyed", [True, False], ids=["keys", "keyless"])
+def test_store_bounded_over_rounds(impl: str, keyed: bool) -> None:
+    stores = Stores("tcp")
+    colls = [make(impl, stores.client(r), r, WORLD) for r in range(WORLD)]
+    counts = []
+    for start, stop in ((0, 300), (300, 600)):
+        run_ranks(WORLD, lambda r: _rounds(colls[r], r, start, stop, keyed), timeout=200)
+        run_ranks(WORLD, lambda r: colls[r].barrier(f"final{stop}" if keyed else None, 30))
+        counts.append(stores.admin.num_keys())
+    assert counts[0] <= BOUND, counts
+    assert counts[1] <= counts[0] + WORLD, counts  # no growth from 300 to 600 rounds
+    for c in colls:
+        c.close()
+    assert stores.admin.num_keys() <= 2, stores.server.list_keys()
+
+
+@pytest.mark.parametrize("kind", ["hash", "file", "python", "prefix"])
+def test_every_store_kind_is_cleaned(impl: str, kind: str) -> None:
+    stores = Stores(kind)
+    before = stores.admin.num_keys()
+
+    def fn(rank: int) -> None:
+        coll = make(impl, stores.client(rank), rank, WORLD)
+        _rounds(coll, rank, 0, 5, True)
+        coll.barrier("end", 30)
+        coll.close()
+
+    run_ranks(WORLD, fn)
+    # close() flushed every rank's cleanup; the last barrier's counter may remain (rank 0 deletes it)
+    assert stores.admin.num_keys() - before <= 2
