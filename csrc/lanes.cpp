@@ -79,18 +79,13 @@ void Lane::append(const std::string& key, const std::string& value) {
 }
 
 void Lane::multi_set(const std::vector<std::string>& keys, const std::vector<std::string>& values) {
-  if (extended) {
-    std::vector<std::vector<uint8_t>> vals;
-    vals.reserve(values.size());
-    for (const auto& v : values) {
-      vals.push_back(bytes(v));
-    }
-    store->multiSet(keys, vals);
-    return;
+  // One call; stores without it get torch's default (one set per key).
+  std::vector<std::vector<uint8_t>> vals;
+  vals.reserve(values.size());
+  for (const auto& v : values) {
+    vals.push_back(bytes(v));
   }
-  for (size_t i = 0; i < keys.size(); ++i) {
-    store->set(keys[i], bytes(values[i]));
-  }
+  store->multiSet(keys, vals);
 }
 
 void Lane::arm(double seconds) {
@@ -122,23 +117,13 @@ std::string Lane::get(const std::string& key, double seconds) {
 }
 
 std::vector<std::string> Lane::multi_get(const std::vector<std::string>& keys, double seconds) {
+  if (!fits(seconds)) {
+    wait(keys, seconds);
+  }
   std::vector<std::string> out;
   out.reserve(keys.size());
-  if (extended && fits(seconds)) {
-    for (const auto& v : store->multiGet(keys)) {
-      out.push_back(str(v));
-    }
-    return out;
-  }
-  wait(keys, seconds);
-  if (extended) {
-    for (const auto& v : store->multiGet(keys)) {
-      out.push_back(str(v));
-    }
-  } else {
-    for (const auto& k : keys) {
-      out.push_back(str(store->get(k)));
-    }
+  for (const auto& v : store->multiGet(keys)) {
+    out.push_back(str(v));
   }
   return out;
 }

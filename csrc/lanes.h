@@ -54,6 +54,7 @@ class Lanes {
   void release(std::unique_ptr<Lane> lane);
   void close();
   bool owned() const { return owned_; }
+  bool native_barrier() const { return native_barrier_; }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;

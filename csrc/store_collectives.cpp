@@ -289,6 +289,11 @@ void StoreCollectives::arrive(const Op& op, Lane& lane) {
 }
 
 std::map<int, std::string> StoreCollectives::exchange(const Op& op, const std::string& payload) {
+  // On a TCPStore: one log, the server-side barrier, one read (O(N) server work).
+  // Elsewhere: one slot per rank and one multi_get (fewest calls without a native barrier).
+  if (!lanes_->native_barrier()) {
+    return exchange_slots(op, payload);
+  }
   std::string log_key = op.key(K::kLog);
   std::map<int, std::string> entries;
   std::vector<std::string> garbage;
@@ -322,6 +327,33 @@ std::map<int, std::string> StoreCollectives::exchange(const Op& op, const std::s
         "expected " + std::to_string(world_) + " entries, found ranks " + found +
             "] (is the key used by another group?)");
   }
+  return entries;
+}
+
+std::map<int, std::string> StoreCollectives::exchange_slots(const Op& op, const std::string& payload) {
+  std::vector<std::string> slots;
+  for (int r = 0; r < world_; ++r) {
+    slots.push_back(K::rank_slot(op.prefix, r));
+  }
+  std::map<int, std::string> entries;
+  std::vector<std::string> garbage = slots;
+  {
+    LaneGuard lane(*lanes_, open_lane(op));
+    put(*lane, slots[rank_], payload);
+    std::vector<std::string> heads;
+    try {
+      Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds);
+      heads = lane->multi_get(slots, op.left());
+    } catch (const std::exception& exc) {
+      failure(op, exc);
+    }
+    for (int r = 0; r < world_; ++r) {
+      auto got = untag(op, *lane, slots[r], heads[r]);
+      entries[r] = std::move(got.first);
+      garbage.insert(garbage.end(), got.second.begin(), got.second.end());
+    }
+  }
+  exit_later(op, world_, {K::kNames}, garbage);
   return entries;
 }
 
@@ -409,9 +441,10 @@ void StoreCollectives::timeout(const Op& op, Lane& lane) {
   }
   std::set<int> present;
   std::optional<int> arrived;
-  if (op.name == "gather_recv") {
+  bool exchange = op.name == "all_gather" || op.name == "all_sum";
+  if (op.name == "gather_recv" || (exchange && !lane.native_barrier)) {
     present = present_slots(op, lane);
-  } else if (op.name == "all_gather" || op.name == "all_sum") {
+  } else if (exchange) {
     for (const auto& [r, v] : K::parse_frames(lane.peek(op.key(K::kLog)).value_or(""))) {
       if (r >= 0) {
         present.insert(r);

@@ -56,6 +56,7 @@ class StoreCollectives {
   std::unique_ptr<Lane> open_lane(const Op& op);
   void arrive(const Op& op, Lane& lane);
   std::map<int, std::string> exchange(const Op& op, const std::string& payload);
+  std::map<int, std::string> exchange_slots(const Op& op, const std::string& payload);
   void put(Lane& lane, const std::string& key, const std::string& payload);
   // (payload, chunk keys to delete)
   std::pair<std::string, std::vector<std::string>> read(const Op& op, Lane& lane, const std::string& key);

@@ -17,11 +17,18 @@ import torch_ctrl
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _python(code: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def _python(
+    code: str, env: dict[str, str] | None = None, cwd: Path | None = None, flags: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     full = dict(os.environ)
     full.update(env or {})
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full, cwd=cwd, timeout=120
+        [sys.executable, *flags, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full,
+        cwd=cwd,
+        timeout=120,
     )
 
 
@@ -123,8 +130,11 @@ def test_install_without_compiling(tmp_path: Path) -> None:
         print(torch_ctrl.__file__.startswith(%r), torch_ctrl.backend(), torch_ctrl.StoreCollectives(dist.HashStore(), 0, 1).all_gather("k", b"x"))
         """
         % str(target),
-        {"PYTHONPATH": str(target), "TORCH_CTRL_IMPL": "auto"},
+        # -S: no .pth files, so an editable install of the source tree cannot leak in
+        {"PYTHONPATH": os.pathsep.join([str(target), os.path.dirname(os.path.dirname(os.path.dirname(dist.__file__)))]),
+         "TORCH_CTRL_IMPL": "auto"},
         cwd=tmp_path,
+        flags=("-S",),
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "python", "[b'x']"]

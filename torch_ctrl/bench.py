@@ -348,13 +348,12 @@ def count_tables(records: list[dict[str, Any]]) -> str:
 
     rows = [[op, str(n)] + [fmt(cell[(op, n, c)]) for c in COUNTED] for op, n in keys]
     top = max(n for _, n in keys)
-    detail = [
-        [op, LABELS[c]]
-        + [", ".join(f"{m} {k}" for m, k in cell[(op, n, c)]["per_rank"][r]["critical"].items()) for r in (0, 1)]
-        for op, n in keys
-        if n == top
-        for c in COUNTED
-    ]
+    detail = []
+    for op, c in ((op, c) for op, n in keys if n == top for c in COUNTED):
+        ranks = cell[(op, top, c)]["per_rank"][:2]
+        detail.append(
+            [op, LABELS[c]] + [", ".join(f"{m} {k}" for m, k in p.get("critical", {}).items()) for p in ranks]
+        )
     return (
         "**Store calls per rank: critical path, rank 0 (root) / other ranks (mean); (total incl. cleanup, mean)**\n\n"
         + _md(["op", "N"] + [LABELS[c] for c in COUNTED], rows)

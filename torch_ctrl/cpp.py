@@ -6,6 +6,8 @@ the calls then run in C++ with the GIL released.
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from collections.abc import Sequence
 
 import torch  # noqa: F401 - loads libtorch before the extension
@@ -26,6 +28,16 @@ from .base import (
 )
 
 
+_LIVE: weakref.WeakSet[CppStoreCollectives] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Stop background threads before the interpreter finalizes (they may call into Python stores)."""
+    for coll in list(_LIVE):
+        coll.close(flush_timeout=2.0)
+
+
 class CppStoreCollectives(ControlCollectives):
     """Store-backed collectives implemented in C++. Thread safe; see ``docs/protocol.md``."""
 
@@ -33,6 +45,7 @@ class CppStoreCollectives(ControlCollectives):
         rank, world_size = check_init(store, rank, world_size)
         self._store = store
         self._impl = _C.StoreCollectives(store, rank, world_size)
+        _LIVE.add(self)
 
     @property
     def rank(self) -> int:

@@ -72,11 +72,8 @@ class Lane:
             expected, desired = current, current + value
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes]) -> None:
-        if self.extended:
-            self.store.multi_set(list(keys), list(values))
-        else:
-            for k, v in zip(keys, values):
-                self.store.set(k, v)
+        """One call; stores without it get torch's default (one set per key)."""
+        self.store.multi_set(list(keys), list(values))
 
     # -- blocking calls: ``seconds`` is the time left until the op's deadline --
     def _arm(self, seconds: float) -> None:
@@ -107,13 +104,11 @@ class Lane:
         return bytes(self.store.get(key))
 
     def multi_get(self, keys: Sequence[str], seconds: float) -> list[bytes]:
-        """Wait for all ``keys`` and read them."""
-        if self.extended and self._fits(seconds):
-            return [bytes(v) for v in self.store.multi_get(list(keys))]
-        self.wait(keys, seconds)
-        if self.extended:
-            return [bytes(v) for v in self.store.multi_get(list(keys))]
-        return [bytes(self.store.get(k)) for k in keys]
+        """Wait for all ``keys`` and read them (one call where the store's timeout fits;
+        stores without multi_get get torch's default, one get per key)."""
+        if not self._fits(seconds):
+            self.wait(keys, seconds)
+        return [bytes(v) for v in self.store.multi_get(list(keys))]
 
     def barrier(self, key: str, world_size: int, seconds: float) -> None:
         """TCPStore's server-side barrier: add 1 to ``key``, wait until it reaches ``world_size``."""

@@ -266,7 +266,15 @@ class PyStoreCollectives(ControlCollectives):
         self._untag(op, lane, op.key(K.DONE), done)
 
     def _exchange(self, op: _Op, payload: bytes) -> dict[int, bytes]:
-        """all_gather/all_sum: append a frame to the log, arrive, read the whole log."""
+        """all_gather/all_sum: every rank's payload, by rank.
+
+        On a TCPStore: append a frame to one log, meet at the server-side barrier,
+        read the log once (O(N) server work). Elsewhere: one slot per rank and one
+        multi_get of all slots (the fewest calls on stores without a native barrier).
+        """
+        with self._lane(op) as lane:
+            if not lane.native_barrier:
+                return self._exchange_slots(op, lane, payload)
         log_key = op.key(K.LOG)
         entries: dict[int, bytes] = {}
         garbage: list[str] = []
@@ -297,6 +305,22 @@ class PyStoreCollectives(ControlCollectives):
         for chunk_key, chunk in chunks:
             lane.set(chunk_key, chunk)
         lane.set(key, head)
+
+    def _exchange_slots(self, op: _Op, lane: Lane, payload: bytes) -> dict[int, bytes]:
+        slots = [K.rank_slot(op.prefix, r) for r in range(self._world)]
+        self._put(lane, slots[self._rank], payload)
+        try:
+            with self._watcher.blocked(op.key(K.NAMES), op.seconds):
+                heads = lane.multi_get(slots, op.left())
+        except Exception as exc:
+            raise self._failure(op, exc) from None
+        entries: dict[int, bytes] = {}
+        garbage = list(slots)
+        for rank, (slot, head) in enumerate(zip(slots, heads)):
+            entries[rank], chunks = self._untag(op, lane, slot, head)
+            garbage += chunks
+        self._exit_later(op, self._world, [K.NAMES], garbage)
+        return entries
 
     def _read(self, op: _Op, lane: Lane, key: str) -> tuple[bytes, list[str]]:
         """Blocking read of one tagged value: ``(payload, chunk keys to delete)``."""
@@ -341,7 +365,7 @@ class PyStoreCollectives(ControlCollectives):
         """Count who arrived (O(1) store reads) and name the missing ranks."""
         if op.name in ("broadcast_recv", "scatter_recv"):
             return timeout_error(op.name, op.label, op.seconds, self._world, detail="nothing was sent")
-        if op.name == "gather_recv":
+        if op.name == "gather_recv" or (op.name in ("all_gather", "all_sum") and not lane.native_barrier):
             present = self._present_slots(op, lane)
         elif op.name in ("all_gather", "all_sum"):
             present = {r for r, _ in K.parse_frames(lane.peek(op.key(K.LOG)) or b"") if r >= 0}

@@ -14,10 +14,12 @@ queue (bounded by ``flush_timeout``).
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,6 +34,17 @@ Task = Callable[[Lane], None]
 # Most cleanup tasks queued per instance: a caller that would exceed it waits, so a
 # tight loop of collectives cannot outrun its cleanup and grow the store.
 MAX_PENDING = 4
+
+
+_LIVE: weakref.WeakSet[Watcher] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Stop every watcher before the interpreter finalizes: a daemon thread caught
+    inside a store call at shutdown would abort the process."""
+    for watcher in list(_LIVE):
+        watcher.close(flush_timeout=2.0)
 
 
 def grace_period(timeout: float) -> float:
@@ -59,6 +72,7 @@ class Watcher:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._busy = False
+        _LIVE.add(self)
 
     # -- API used by the collectives -------------------------------------------
     def submit(self, task: Task) -> None:
