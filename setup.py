@@ -21,12 +21,12 @@ def get_extensions():
     try:
         from torch.utils.cpp_extension import CppExtension
     except ImportError:
-        warnings.warn("torch_ctrl: torch is not importable at build time; building without the C++ extension")
+        warnings.warn(
+            "torch_ctrl: torch is not importable at build time; building without the C++ extension", stacklevel=1
+        )
         return []
     here = os.path.dirname(os.path.abspath(__file__))
-    sources = sorted(
-        os.path.join("csrc", f) for f in os.listdir(os.path.join(here, "csrc")) if f.endswith(".cpp")
-    )
+    sources = sorted(os.path.join("csrc", f) for f in os.listdir(os.path.join(here, "csrc")) if f.endswith(".cpp"))
     return [
         CppExtension(
             "torch_ctrl._C",
@@ -59,7 +59,7 @@ def get_cmdclass():
         @staticmethod
         def _fail(exc):
             msg = f"torch_ctrl: building the C++ extension failed ({exc}); installing the pure-Python implementation"
-            warnings.warn(msg)
+            warnings.warn(msg, stacklevel=1)
             print(msg, file=sys.stderr)
 
     return {"build_ext": OptionalBuildExtension.with_options(use_ninja=True)}

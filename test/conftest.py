@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import IMPLS, STORE_KINDS, Stores
 
 

@@ -154,7 +154,9 @@ def run_ranks(world_size: int, fn: Callable[[int], Any], timeout: float = 60.0) 
     return results
 
 
-def run_group(impl: str, stores: Stores, world_size: int, fn: Callable[[Any, int], Any], timeout: float = 60.0) -> list[Any]:
+def run_group(
+    impl: str, stores: Stores, world_size: int, fn: Callable[[Any, int], Any], timeout: float = 60.0
+) -> list[Any]:
     """``fn(coll, rank)`` on every rank, each with its own store client and instance."""
 
     def body(rank: int) -> Any:

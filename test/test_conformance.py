@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-
 from helpers import Stores, make, run_group
 
 WORLD = 4

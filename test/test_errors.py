@@ -7,9 +7,9 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from helpers import DictStore, Stores, make, run_ranks
 
 import torch_ctrl
-from helpers import DictStore, Stores, make, run_ranks
 from torch_ctrl import CollectiveTimeoutError, KeyReusedError
 
 

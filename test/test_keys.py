@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from helpers import Stores, run_group
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import Stores, run_group
 from torch_ctrl import keys as K
 
 try:
@@ -26,7 +26,7 @@ def test_escape_is_injective_and_slash_free(a: str, b: str) -> None:
 @given(st.one_of(st.none(), st.text()), st.integers(0, 10**9), st.one_of(st.none(), st.text()), st.integers(0, 10**9))
 def test_tokens_never_collide(k1, s1, k2, s2) -> None:
     t1, t2 = K.token(k1, s1), K.token(k2, s2)
-    same_op = (k1 == k2 and (k1 is not None or s1 == s2))
+    same_op = k1 == k2 and (k1 is not None or s1 == s2)
     assert (t1 == t2) == same_op
     assert "/" not in t1 and len(t1) <= K.MAX_TOKEN + 1
 

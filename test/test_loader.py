@@ -114,7 +114,18 @@ def test_install_without_compiling(tmp_path: Path) -> None:
     target = tmp_path / "site"
     env = dict(os.environ, TORCH_CTRL_BUILD_EXT="0")
     res = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-q", "--target", str(target), str(src)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-build-isolation",
+            "--no-deps",
+            "-q",
+            "--target",
+            str(target),
+            str(src),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -123,16 +134,20 @@ def test_install_without_compiling(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert not list(target.glob("torch_ctrl/_C*"))
     out = _python(
-        """
+        f"""
         import warnings
         warnings.simplefilter("ignore")
         import torch_ctrl, torch.distributed as dist
-        print(torch_ctrl.__file__.startswith(%r), torch_ctrl.backend(), torch_ctrl.StoreCollectives(dist.HashStore(), 0, 1).all_gather("k", b"x"))
-        """
-        % str(target),
+        coll = torch_ctrl.StoreCollectives(dist.HashStore(), 0, 1)
+        print(torch_ctrl.__file__.startswith({str(target)!r}), torch_ctrl.backend(), coll.all_gather("k", b"x"))
+        """,
         # -S: no .pth files, so an editable install of the source tree cannot leak in
-        {"PYTHONPATH": os.pathsep.join([str(target), os.path.dirname(os.path.dirname(os.path.dirname(dist.__file__)))]),
-         "TORCH_CTRL_IMPL": "auto"},
+        {
+            "PYTHONPATH": os.pathsep.join(
+                [str(target), os.path.dirname(os.path.dirname(os.path.dirname(dist.__file__)))]
+            ),
+            "TORCH_CTRL_IMPL": "auto",
+        },
         cwd=tmp_path,
         flags=("-S",),
     )

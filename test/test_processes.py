@@ -11,7 +11,6 @@ import textwrap
 
 import pytest
 import torch.distributed as dist
-
 from helpers import IMPLS
 
 WORLD = 3
@@ -19,7 +18,6 @@ WORLD = 3
 
 def _rank_main(store_spec: tuple, impl: str, rank: int, queue) -> None:  # noqa: ANN001
     import torch.distributed as dist
-
     from helpers import make
 
     kind, arg = store_spec
@@ -73,7 +71,7 @@ def test_separate_processes(impl: str, kind: str) -> None:
             p.join(30)
     finally:
         os.environ["PYTHONPATH"] = old
-    for rank, npids, total, bc, gathered, mine, err in results:
+    for rank, npids, total, bc, _gathered, mine, err in results:
         assert err is None, err
         assert npids == WORLD  # three distinct processes took part
         assert total == 6 and bc == b"hello" and mine == b"s%d" % rank

@@ -8,8 +8,8 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-
 from helpers import DictStore, make, run_ranks
+
 from torch_ctrl.counting import CountingStore
 
 T = timedelta(seconds=300)  # the store's own timeout: the one-call path, like torch's

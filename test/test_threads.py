@@ -6,8 +6,8 @@ import threading
 from datetime import timedelta
 
 import pytest
-
 from helpers import Stores, make, run_ranks
+
 from torch_ctrl import CollectiveTimeoutError
 
 
@@ -60,7 +60,7 @@ def test_store_timeout_never_changes(impl: str, kind: str) -> None:
         else:
             coll.broadcast_recv("c", 11)
         with pytest.raises(CollectiveTimeoutError):
-            coll.barrier("solo-%d" % rank, 0.2)
+            coll.barrier(f"solo-{rank}", 0.2)
         # concurrent threads with different timeouts
         errs = []
 

@@ -31,7 +31,9 @@ class ControlCollectives(abc.ABC):
         """Block until all ranks have entered the barrier (``block=False``: only arrive)."""
 
     @abc.abstractmethod
-    def broadcast_send(self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
+    def broadcast_send(
+        self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> None:
         """Send ``data`` to every other rank (called by exactly one rank)."""
 
     @abc.abstractmethod
@@ -43,7 +45,9 @@ class ControlCollectives(abc.ABC):
         """Send ``data`` to the gathering rank."""
 
     @abc.abstractmethod
-    def gather_recv(self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> list[bytes]:
+    def gather_recv(
+        self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> list[bytes]:
         """Collect every rank's data, in rank order, this rank's ``data`` included."""
 
     @abc.abstractmethod
@@ -57,7 +61,9 @@ class ControlCollectives(abc.ABC):
         """Receive this rank's element of a scatter."""
 
     @abc.abstractmethod
-    def all_gather(self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> list[bytes]:
+    def all_gather(
+        self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> list[bytes]:
         """Every rank's data, in rank order, on every rank."""
 
     @abc.abstractmethod

@@ -27,7 +27,6 @@ from .base import (
     to_seconds,
 )
 
-
 _LIVE: weakref.WeakSet[CppStoreCollectives] = weakref.WeakSet()
 
 
@@ -60,7 +59,9 @@ class CppStoreCollectives(ControlCollectives):
     def barrier(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT, block: bool = True) -> None:
         self._impl.barrier(check_key(key), to_seconds(timeout), bool(block))
 
-    def broadcast_send(self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
+    def broadcast_send(
+        self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> None:
         payload = to_bytes(data)
         self._impl.broadcast_send(check_key(key), payload, to_seconds(timeout))
 

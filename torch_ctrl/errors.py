@@ -89,9 +89,7 @@ def timeout_error(
             msg += f"; missing ranks: {format_ranks(missing)}"
     if detail:
         msg += f"{';' if arrived is not None else ':'} {detail}"
-    return CollectiveTimeoutError(
-        msg, op=op, key=key, arrived=arrived, world_size=world_size, missing=missing
-    )
+    return CollectiveTimeoutError(msg, op=op, key=key, arrived=arrived, world_size=world_size, missing=missing)
 
 
 def aborted_error(op: str, key: str, rank: int, reason: str) -> CollectiveAbortedError:

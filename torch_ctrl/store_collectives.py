@@ -104,7 +104,9 @@ class PyStoreCollectives(ControlCollectives):
                 lane.set(op.key(K.DONE), K.TAG_DATA)
             self._exit_later(op, self._world, [K.ARRIVE, K.DONE, K.NAMES])
 
-    def broadcast_send(self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
+    def broadcast_send(
+        self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> None:
         payload = to_bytes(data)
         op = self._begin("broadcast_send", key, timeout)
         if self._world == 1:
