@@ -58,8 +58,16 @@ PYBIND11_MODULE(_C, m) {
   m.def("_op_prefix", &torch_ctrl::keys::op_prefix, "Key prefix of one collective (for layout tests).");
 
   py::class_<StoreCollectives, std::shared_ptr<StoreCollectives>>(m, "StoreCollectives")
-      .def(py::init<c10::intrusive_ptr<c10d::Store>, int, int>(), py::arg("store"), py::arg("rank"),
-           py::arg("world_size"))
+      .def(py::init([](c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::optional<double> hb) {
+             py::gil_scoped_release nogil;
+             return std::make_shared<StoreCollectives>(std::move(store), rank, world, hb);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("heartbeat_interval") = py::none())
+      .def("abort",
+           [](StoreCollectives& s, const std::string& reason) {
+             py::gil_scoped_release nogil;
+             s.abort(reason);
+           })
       .def("barrier",
            [](StoreCollectives& s, const Key& key, double timeout, bool block) {
              py::gil_scoped_release nogil;

@@ -62,6 +62,20 @@ std::optional<std::string> Lane::peek(const std::string& key) {
   return value;
 }
 
+std::vector<std::optional<std::string>> Lane::peek_many(const std::vector<std::string>& keys) {
+  std::vector<std::optional<std::string>> out;
+  if (store->check(keys)) {
+    for (const auto& v : store->multiGet(keys)) {
+      out.emplace_back(str(v));
+    }
+    return out;
+  }
+  for (const auto& k : keys) {
+    out.push_back(peek(k));
+  }
+  return out;
+}
+
 void Lane::append(const std::string& key, const std::string& value) {
   if (extended) {
     store->append(key, bytes(value));

@@ -32,6 +32,8 @@ struct Lane {
   int64_t add(const std::string& key, int64_t value);
   void remove(const std::string& key);  // delete_key
   std::optional<std::string> peek(const std::string& key);
+  // peek several keys: one check and one multi_get when all exist.
+  std::vector<std::optional<std::string>> peek_many(const std::vector<std::string>& keys);
   void append(const std::string& key, const std::string& value);
   void multi_set(const std::vector<std::string>& keys, const std::vector<std::string>& values);
 

@@ -64,10 +64,43 @@ double Op::left() const {
   return std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
 }
 
-StoreCollectives::StoreCollectives(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size)
+StoreCollectives::StoreCollectives(
+    c10::intrusive_ptr<c10d::Store> store,
+    int rank,
+    int world_size,
+    std::optional<double> heartbeat_interval)
     : store_(std::move(store)), rank_(rank), world_(world_size) {
   lanes_ = std::make_shared<Lanes>(store_);
-  watcher_ = std::make_unique<Watcher>(lanes_, rank_);
+  watcher_ = std::make_unique<Watcher>(lanes_, rank_, world_, heartbeat_interval);
+  // One read at construction: a group aborted earlier fails every op at once.
+  std::optional<std::string> notice;
+  {
+    LaneGuard lane(*lanes_);
+    notice = lane->peek(watcher_->abort_key());
+    if (heartbeat_interval) {
+      lane->add(K::group_key(world_, "hb/" + std::to_string(rank_)), 1);
+    }
+  }
+  if (notice) {
+    watcher_->aborted(*notice);
+  }
+}
+
+void StoreCollectives::abort(const std::string& reason) {
+  std::string mine = std::to_string(rank_) + ":" + reason;
+  std::vector<uint8_t> stored;
+  {
+    LaneGuard lane(*lanes_);
+    stored = lane->store->compareSet(
+        watcher_->abort_key(), std::vector<uint8_t>{}, std::vector<uint8_t>(mine.begin(), mine.end()));
+  }
+  watcher_->aborted(std::string(stored.begin(), stored.end()));
+}
+
+Wake StoreCollectives::wake_set(std::vector<std::string> keys) {
+  return [keys = std::move(keys)](Lane& lane, const std::string& notice) {
+    lane.multi_set(keys, std::vector<std::string>(keys.size(), K::kTagAbort + notice));
+  };
 }
 
 StoreCollectives::~StoreCollectives() = default;
@@ -146,6 +179,7 @@ std::vector<std::string> StoreCollectives::gather_recv(const Key& key, const std
       LaneGuard lane(*lanes_, open_lane(op));
       std::vector<std::string> heads;
       try {
+        Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set(slots));
         heads = lane->multi_get(slots, op.left());
       } catch (const std::exception& exc) {
         failure(op, exc);
@@ -240,6 +274,9 @@ std::unique_ptr<Lane> StoreCollectives::open_lane(const Op& op) {
 
 Op StoreCollectives::begin(const std::string& name, const Key& key, double timeout) {
   int64_t seq = -1;
+  if (auto notice = watcher_->notice()) {
+    raise_abort(Op{name, key ? *key : "#next", "", timeout, {}}, *notice);
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!key) {
@@ -260,10 +297,20 @@ Op StoreCollectives::begin(const std::string& name, const Key& key, double timeo
 void StoreCollectives::arrive(const Op& op, Lane& lane) {
   std::string counter = op.key(K::kArrive);
   std::string done;
+  std::optional<std::string> log_key;
+  if (op.name == "all_gather" || op.name == "all_sum") {
+    log_key = op.key(K::kLog);
+  }
+  Wake wake_native = [counter, log_key](Lane& ln, const std::string& notice) {
+    if (log_key) {
+      ln.append(*log_key, K::frame(-1, notice));
+    }
+    ln.add(counter, K::kAbortBias);
+  };
   try {
     if (lane.native_barrier) {
       {
-        Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds);
+        Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_native);
         lane.barrier(counter, world_, op.left());
       }
       if (op.left() < 0.05) {
@@ -280,7 +327,7 @@ void StoreCollectives::arrive(const Op& op, Lane& lane) {
       lane.set(op.key(K::kDone), std::string(1, K::kTagData));
       return;
     }
-    Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds);
+    Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set({op.key(K::kDone)}));
     done = lane.get(op.key(K::kDone), op.left());
   } catch (const std::exception& exc) {
     failure(op, exc);
@@ -342,7 +389,7 @@ std::map<int, std::string> StoreCollectives::exchange_slots(const Op& op, const 
     put(*lane, slots[rank_], payload);
     std::vector<std::string> heads;
     try {
-      Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds);
+      Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set(slots));
       heads = lane->multi_get(slots, op.left());
     } catch (const std::exception& exc) {
       failure(op, exc);
@@ -371,6 +418,7 @@ std::pair<std::string, std::vector<std::string>> StoreCollectives::read(
     const std::string& key) {
   std::string value;
   try {
+    Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set({key}));
     value = lane.get(key, op.left());
   } catch (const std::exception& exc) {
     failure(op, exc);
@@ -405,11 +453,17 @@ std::pair<std::string, std::vector<std::string>> StoreCollectives::untag(
 
 void StoreCollectives::check_counter(const Op& op, const std::optional<std::string>& counter) {
   if (counter && is_digits(*counter) && std::stoll(*counter) >= K::kAbortBias) {
-    raise_abort(op, "");
+    std::optional<std::string> notice;
+    {
+      LaneGuard lane(*lanes_);
+      notice = lane->peek(watcher_->abort_key());
+    }
+    raise_abort(op, notice.value_or(watcher_->notice().value_or("-1:")));
   }
 }
 
 void StoreCollectives::raise_abort(const Op& op, const std::string& notice) {
+  watcher_->aborted(notice);
   size_t colon = notice.find(':');
   std::string rank = notice.substr(0, colon);
   std::string reason = colon == std::string::npos ? "" : notice.substr(colon + 1);
@@ -419,6 +473,9 @@ void StoreCollectives::raise_abort(const Op& op, const std::string& notice) {
 // ------------------------------------------------------------------- diagnostics
 
 void StoreCollectives::failure(const Op& op, const std::exception& exc) {
+  if (auto notice = watcher_->notice()) {
+    raise_abort(op, *notice);
+  }
   std::string text = error_text(exc);
   if (op.left() > 0.01 && lower(text).find("timeout") == std::string::npos) {
     throw CollectiveError(op.name, op.label, "store error: " + text);

@@ -34,7 +34,11 @@ struct Op {
 
 class StoreCollectives {
  public:
-  StoreCollectives(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size);
+  StoreCollectives(
+      c10::intrusive_ptr<c10d::Store> store,
+      int rank,
+      int world_size,
+      std::optional<double> heartbeat_interval = std::nullopt);
   ~StoreCollectives();
 
   void barrier(const Key& key, double timeout, bool block);
@@ -47,6 +51,7 @@ class StoreCollectives {
   std::vector<std::string> all_gather(const Key& key, const std::string& data, double timeout);
   int64_t all_sum(const Key& key, int64_t data, double timeout);
   void close(double flush_timeout);
+  void abort(const std::string& reason);
 
   int rank() const { return rank_; }
   int world_size() const { return world_; }
@@ -54,6 +59,7 @@ class StoreCollectives {
  private:
   Op begin(const std::string& name, const Key& key, double timeout);
   std::unique_ptr<Lane> open_lane(const Op& op);
+  static Wake wake_set(std::vector<std::string> keys);
   void arrive(const Op& op, Lane& lane);
   std::map<int, std::string> exchange(const Op& op, const std::string& payload);
   std::map<int, std::string> exchange_slots(const Op& op, const std::string& payload);

@@ -1,8 +1,9 @@
 // C++ twin of torch_ctrl/watcher.py.
 #include "watcher.h"
+#include "keys.h"
 
 #include <algorithm>
-#include <vector>
+#include <cstdio>
 
 namespace torch_ctrl {
 
@@ -10,8 +11,19 @@ double grace_period(double timeout) {
   return std::min(1.0, std::max(0.02, timeout / 4));
 }
 
+namespace {
+std::chrono::steady_clock::duration secs(double s) {
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
+}
+} // namespace
+
 struct Watcher::State {
   std::shared_ptr<Lanes> lanes;
+  int rank = 0;
+  std::optional<double> heartbeat;
+  std::string abort_key;
+  std::vector<std::string> hb_keys;
+  std::vector<Beat> beats;
   std::mutex mutex;
   std::condition_variable cv;
   std::deque<Task> tasks;
@@ -20,11 +32,26 @@ struct Watcher::State {
   bool closed = false;
   bool busy = false;
   bool running = false;
+  Clock::time_point next_poll{};
+  Clock::time_point next_beat{};
+  std::optional<std::string> notice;
   std::thread thread;
 };
 
-Watcher::Watcher(std::shared_ptr<Lanes> lanes, int rank) : state_(std::make_shared<State>()), rank_(rank) {
+Watcher::Watcher(std::shared_ptr<Lanes> lanes, int rank, int world_size, std::optional<double> heartbeat)
+    : state_(std::make_shared<State>()), abort_key_(keys::group_key(world_size, "abort")) {
   state_->lanes = std::move(lanes);
+  state_->rank = rank;
+  state_->heartbeat = heartbeat;
+  state_->abort_key = abort_key_;
+  for (int r = 0; r < world_size; ++r) {
+    state_->hb_keys.push_back(keys::group_key(world_size, "hb/" + std::to_string(r)));
+  }
+  state_->beats.resize(world_size);
+  if (heartbeat) {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    start_locked();
+  }
 }
 
 Watcher::~Watcher() {
@@ -44,7 +71,7 @@ void Watcher::start_locked() {
       state_->thread.join();
     }
     state_->running = true;
-    state_->thread = std::thread(&Watcher::run, state_, rank_);
+    state_->thread = std::thread(&Watcher::run, state_);
   }
 }
 
@@ -60,8 +87,22 @@ void Watcher::submit(Task task) {
   state_->cv.notify_all();
 }
 
+void Watcher::aborted(const std::string& notice) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  if (!state_->notice) {
+    state_->notice = notice;
+  }
+  start_locked();
+  state_->cv.notify_all();
+}
+
+std::optional<std::string> Watcher::notice() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->notice;
+}
+
 bool Watcher::flush(double timeout) {
-  auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
+  auto end = Clock::now() + secs(timeout);
   std::unique_lock<std::mutex> lock(state_->mutex);
   while (!state_->tasks.empty() || state_->busy) {
     if (!state_->running || state_->cv.wait_until(lock, end) == std::cv_status::timeout) {
@@ -78,8 +119,7 @@ void Watcher::close(double flush_timeout) {
     state_->closed = true;
     state_->cv.notify_all();
   }
-  // Wait (bounded) for the queue to drain, then join or leave the thread to finish.
-  auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(flush_timeout);
+  auto end = Clock::now() + secs(flush_timeout);
   std::unique_lock<std::mutex> lock(state_->mutex);
   state_->cv.wait_until(lock, end, [&] { return !state_->running; });
   if (state_->thread.joinable()) {
@@ -95,13 +135,14 @@ void Watcher::close(double flush_timeout) {
   }
 }
 
-Watcher::Blocked::Blocked(Watcher& w, const std::string& names_key, double timeout) : w_(w) {
-  auto due = std::chrono::steady_clock::now() +
-      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                 std::chrono::duration<double>(grace_period(timeout)));
+Watcher::Blocked::Blocked(Watcher& w, const std::string& names_key, double timeout, Wake wake) : w_(w) {
+  auto now = Clock::now();
   std::lock_guard<std::mutex> lock(w_.state_->mutex);
+  if (w_.state_->blocked.empty()) {
+    w_.state_->next_poll = now + secs(kPoll);
+  }
   id_ = w_.state_->next_id++;
-  w_.state_->blocked[id_] = Entry{names_key, due, false};
+  w_.state_->blocked[id_] = Entry{names_key, now + secs(grace_period(timeout)), std::move(wake), false, false};
   w_.start_locked();
   w_.state_->cv.notify_all();
 }
@@ -111,7 +152,40 @@ Watcher::Blocked::~Blocked() {
   w_.state_->blocked.erase(id_);
 }
 
-void Watcher::run(std::shared_ptr<State> st, int rank) {
+void Watcher::poll(State& st, Lane& lane) {
+  auto notice = lane.peek(st.abort_key);
+  if (!notice && st.heartbeat) {
+    auto now = Clock::now();
+    auto values = lane.peek_many(st.hb_keys);
+    for (size_t r = 0; r < values.size(); ++r) {
+      Beat& beat = st.beats[r];
+      if (values[r] != beat.value) {
+        beat.value = values[r];
+        beat.since = now;
+        continue;
+      }
+      double silent = std::chrono::duration<double>(now - beat.since).count();
+      if (values[r] && static_cast<int>(r) != st.rank && silent > kDeadAfter * *st.heartbeat) {
+        char reason[96];
+        std::snprintf(reason, sizeof(reason), "%zu:no heartbeat for %.1fs (process died or hung)", r, silent);
+        std::string mine(reason);
+        auto stored = lane.store->compareSet(
+            st.abort_key, std::vector<uint8_t>{}, std::vector<uint8_t>(mine.begin(), mine.end()));
+        notice = std::string(stored.begin(), stored.end());
+        break;
+      }
+    }
+  }
+  if (notice) {
+    std::lock_guard<std::mutex> lock(st.mutex);
+    if (!st.notice) {
+      st.notice = notice;
+    }
+    st.cv.notify_all();
+  }
+}
+
+void Watcher::run(std::shared_ptr<State> st) {
   std::unique_ptr<Lane> lane;
   try {
     lane = st->lanes->acquire();
@@ -124,22 +198,48 @@ void Watcher::run(std::shared_ptr<State> st, int rank) {
   }
   std::unique_lock<std::mutex> lock(st->mutex);
   while (true) {
-    auto now = std::chrono::steady_clock::now();
+    auto now = Clock::now();
     std::vector<std::string> names;
-    std::optional<std::chrono::steady_clock::time_point> next;
-    for (auto& [id, e] : st->blocked) {
-      if (e.named) {
-        continue;
+    std::vector<Wake> wakes;
+    std::optional<Clock::time_point> next;
+    auto consider = [&](Clock::time_point t) {
+      if (!next || t < *next) {
+        next = t;
       }
-      if (e.due <= now) {
+    };
+    for (auto& [id, e] : st->blocked) {
+      if (!e.named && e.due <= now) {
         e.named = true;
         names.push_back(e.names_key);
-      } else if (!next || e.due < *next) {
-        next = e.due;
+      } else if (!e.named) {
+        consider(e.due);
+      }
+      if (st->notice && !e.woken) {
+        e.woken = true;
+        if (e.wake) {
+          wakes.push_back(e.wake);
+        }
       }
     }
-    if (st->tasks.empty() && names.empty()) {
-      if (st->closed) {
+    bool do_poll = !st->blocked.empty() && !st->notice && now >= st->next_poll;
+    if (do_poll) {
+      st->next_poll = now + secs(st->heartbeat ? std::min(kPoll, *st->heartbeat) : kPoll);
+    } else if (!st->blocked.empty() && !st->notice) {
+      consider(st->next_poll);
+    }
+    bool do_beat = st->heartbeat && !st->closed && now >= st->next_beat;
+    if (do_beat) {
+      st->next_beat = now + secs(*st->heartbeat);
+    } else if (st->heartbeat && !st->closed) {
+      consider(st->next_beat);
+    }
+    std::deque<Task> tasks;
+    if (!st->tasks.empty()) {
+      tasks.push_back(std::move(st->tasks.front()));
+      st->tasks.pop_front();
+    }
+    if (tasks.empty() && names.empty() && wakes.empty() && !do_poll && !do_beat) {
+      if (st->closed && st->blocked.empty()) {
         break;
       }
       if (next) {
@@ -149,26 +249,32 @@ void Watcher::run(std::shared_ptr<State> st, int rank) {
       }
       continue;
     }
-    std::deque<Task> tasks;
-    if (!st->tasks.empty()) {
-      tasks.push_back(std::move(st->tasks.front()));
-      st->tasks.pop_front();
-    }
     st->busy = !tasks.empty();
+    std::string notice = st->notice.value_or("");
+    int rank = st->rank;
     st->cv.notify_all();
     lock.unlock();
-    for (const auto& key : names) {
+    auto safely = [&](const std::function<void()>& fn) {
       try {
-        lane->append(key, std::to_string(rank) + ",");
+        fn();
       } catch (const std::exception&) {
+        // background work is best effort
       }
+    };
+    if (do_beat) {
+      safely([&] { lane->add(st->hb_keys[rank], 1); });
+    }
+    if (do_poll) {
+      safely([&] { poll(*st, *lane); });
+    }
+    for (const auto& key : names) {
+      safely([&] { lane->append(key, std::to_string(rank) + ","); });
+    }
+    for (const auto& wake : wakes) {
+      safely([&] { wake(*lane, notice); });
     }
     for (auto& task : tasks) {
-      try {
-        task(*lane);
-      } catch (const std::exception&) {
-        // cleanup is best effort
-      }
+      safely([&] { task(*lane); });
     }
     lock.lock();
     st->busy = false;

@@ -1,6 +1,7 @@
 // The watcher: one background thread per instance, on its own lane. C++ twin of
-// torch_ctrl/watcher.py: cleanup off the critical path, and naming of ranks that
-// stay blocked past the grace period (so timeouts can list missing ranks).
+// torch_ctrl/watcher.py: cleanup off the critical path, naming of ranks blocked past
+// the grace period, abort polling and waking of blocked callers, and (opt in)
+// heartbeats with dead-rank detection.
 #pragma once
 
 #include "lanes.h"
@@ -12,31 +13,41 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace torch_ctrl {
 
 using Task = std::function<void(Lane&)>;
+using Wake = std::function<void(Lane&, const std::string&)>;
 
 double grace_period(double timeout);
 
-// Most cleanup tasks queued per instance (twin of watcher.MAX_PENDING).
+// Twins of watcher.MAX_PENDING, watcher.POLL and watcher.DEAD_AFTER.
 constexpr size_t kMaxPending = 4;
+constexpr double kPoll = 0.7;
+constexpr double kDeadAfter = 2.5;
 
 class Watcher {
  public:
-  Watcher(std::shared_ptr<Lanes> lanes, int rank);
+  Watcher(std::shared_ptr<Lanes> lanes, int rank, int world_size, std::optional<double> heartbeat);
   ~Watcher();
 
   void submit(Task task);
   bool flush(double timeout);
   void close(double flush_timeout);
+  // The group is aborted: remember the first notice and wake every blocked caller.
+  void aborted(const std::string& notice);
+  std::optional<std::string> notice();
+  const std::string& abort_key() const { return abort_key_; }
 
-  // RAII: marks the caller as blocked in a collective whose NAMES log is `names_key`.
+  // RAII: marks the caller as blocked in a collective whose NAMES log is
+  // `names_key`; `wake(lane, notice)` releases it on abort.
   class Blocked {
    public:
-    Blocked(Watcher& w, const std::string& names_key, double timeout);
+    Blocked(Watcher& w, const std::string& names_key, double timeout, Wake wake = nullptr);
     ~Blocked();
 
    private:
@@ -45,17 +56,25 @@ class Watcher {
   };
 
  private:
+  using Clock = std::chrono::steady_clock;
   struct Entry {
     std::string names_key;
-    std::chrono::steady_clock::time_point due;
+    Clock::time_point due;
+    Wake wake;
     bool named = false;
+    bool woken = false;
+  };
+  struct Beat {
+    std::optional<std::string> value;
+    Clock::time_point since = Clock::now();
   };
   struct State;  // shared with the thread, so a detached thread stays valid
   void start_locked();
-  static void run(std::shared_ptr<State> state, int rank);
+  static void run(std::shared_ptr<State> state);
+  static void poll(State& st, Lane& lane);
 
   std::shared_ptr<State> state_;
-  int rank_;
+  std::string abort_key_;
 };
 
 } // namespace torch_ctrl

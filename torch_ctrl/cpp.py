@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch  # noqa: F401 - loads libtorch before the extension
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from .base import (
     to_int64,
     to_seconds,
 )
+from .errors import one_line
 
 _LIVE: weakref.WeakSet[CppStoreCollectives] = weakref.WeakSet()
 
@@ -40,10 +42,20 @@ def _close_all() -> None:
 class CppStoreCollectives(ControlCollectives):
     """Store-backed collectives implemented in C++. Thread safe; see ``docs/protocol.md``."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        *,
+        heartbeat_interval: Timeout | None = None,
+    ) -> None:
         rank, world_size = check_init(store, rank, world_size)
+        heartbeat = None if heartbeat_interval is None else to_seconds(heartbeat_interval)
+        if heartbeat is not None and heartbeat <= 0:
+            raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval!r}")
         self._store = store
-        self._impl = _C.StoreCollectives(store, rank, world_size)
+        self._impl = _C.StoreCollectives(store, rank, world_size, heartbeat)
         _LIVE.add(self)
 
     @property
@@ -96,6 +108,24 @@ class CppStoreCollectives(ControlCollectives):
     def all_sum(self, key: str | None = None, data: int | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> int:
         value = to_int64(data)
         return self._impl.all_sum(check_key(key), value, to_seconds(timeout))
+
+    def abort(self, reason: str = "") -> None:
+        """Mark the group (every instance on this store namespace and world size) as failed by
+        this rank. Peers blocked in any collective raise ``CollectiveAbortedError`` within a
+        second; later collectives raise it at once. Idempotent: the first reason wins."""
+        if not isinstance(reason, str):
+            raise TypeError(f"reason must be a str, got {type(reason).__name__}")
+        self._impl.abort(reason)
+
+    @contextmanager
+    def abort_on_error(self) -> Iterator[None]:
+        """Abort the group with the exception's type and message if the block raises, then re-raise."""
+        try:
+            yield
+        except BaseException as exc:
+            if not isinstance(exc, GeneratorExit):
+                self.abort(f"{type(exc).__name__}: {one_line(str(exc))}")
+            raise
 
     def close(self, flush_timeout: float = 5.0) -> None:
         """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections."""

@@ -59,6 +59,12 @@ class Lane:
         value = bytes(self.store.compare_set(key, K.MISSING, K.NEVER))
         return None if value == K.MISSING else value
 
+    def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """``peek`` several keys: one check and one multi_get when all exist."""
+        if self.store.check(list(keys)):
+            return [bytes(v) for v in self.store.multi_get(list(keys))]
+        return [self.peek(k) for k in keys]
+
     def append(self, key: str, value: bytes) -> None:
         """Atomic append; emulated with compare_set where the store lacks it."""
         if self.extended:

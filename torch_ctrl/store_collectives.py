@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -60,14 +61,31 @@ class _Op:
 class PyStoreCollectives(ControlCollectives):
     """Store-backed collectives, pure Python. Thread safe; see ``docs/protocol.md``."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        *,
+        heartbeat_interval: Timeout | None = None,
+    ) -> None:
         self._rank, self._world = check_init(store, rank, world_size)
+        heartbeat = None if heartbeat_interval is None else to_seconds(heartbeat_interval)
+        if heartbeat is not None and heartbeat <= 0:
+            raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval!r}")
         self._store = store
         self._lanes = Lanes(store)
-        self._watcher = Watcher(self._lanes, self._rank)
         self._lock = threading.Lock()
         self._seq = 0
         self._used: set[str] = set()
+        self._watcher = Watcher(self._lanes, self._rank, self._world, heartbeat)
+        # One read at construction: a group aborted earlier fails every op at once.
+        with self._lanes.lane() as lane:
+            notice = lane.peek(self._watcher.abort_key)
+            if heartbeat is not None:
+                lane.add(K.group_key(self._world, f"hb/{self._rank}"), 1)
+        if notice is not None:
+            self._watcher.aborted(notice)
 
     # ------------------------------------------------------------------ public
     @property
@@ -140,7 +158,8 @@ class PyStoreCollectives(ControlCollectives):
             garbage = list(slots)
             with self._lane(op) as lane:
                 try:
-                    heads = lane.multi_get(slots, op.left())
+                    with self._watcher.blocked(op.key(K.NAMES), op.seconds, self._wake_set(slots)):
+                        heads = lane.multi_get(slots, op.left())
                 except Exception as exc:
                     raise self._failure(op, exc) from None
                 for slot, head in zip(slots, heads):
@@ -197,6 +216,27 @@ class PyStoreCollectives(ControlCollectives):
         entries = self._exchange(op, b"%d" % value)
         return wrap_int64(sum(int(v) for v in entries.values()))
 
+    def abort(self, reason: str = "") -> None:
+        """Mark the group (every instance on this store namespace and world size) as failed by
+        this rank. Peers blocked in any collective raise ``CollectiveAbortedError`` within a
+        second; later collectives raise it at once. Idempotent: the first reason wins."""
+        if not isinstance(reason, str):
+            raise TypeError(f"reason must be a str, got {type(reason).__name__}")
+        mine = b"%d:%s" % (self._rank, reason.encode("utf-8", "replace"))
+        with self._lanes.lane() as lane:
+            notice = bytes(lane.store.compare_set(self._watcher.abort_key, b"", mine))
+        self._watcher.aborted(notice)
+
+    @contextmanager
+    def abort_on_error(self) -> Iterator[None]:
+        """Abort the group with the exception's type and message if the block raises, then re-raise."""
+        try:
+            yield
+        except BaseException as exc:
+            if not isinstance(exc, GeneratorExit):
+                self.abort(f"{type(exc).__name__}: {one_line(str(exc))}")
+            raise
+
     def close(self, flush_timeout: float = 5.0) -> None:
         """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections."""
         self._watcher.close(flush_timeout)
@@ -221,6 +261,9 @@ class PyStoreCollectives(ControlCollectives):
         """Check the key and timeout, reserve the key, and make the op's prefix."""
         user_key = check_key(key)
         seconds = to_seconds(timeout)
+        if self._watcher.notice is not None:
+            label = user_key if user_key is not None else "#next"
+            self._raise_abort(_Op(name, label, "", seconds, 0.0), self._watcher.notice)
         with self._lock:
             if user_key is None:
                 seq, self._seq = self._seq, self._seq + 1
@@ -247,9 +290,16 @@ class PyStoreCollectives(ControlCollectives):
     def _arrive(self, op: _Op, lane: Lane) -> None:
         """Arrive at the op's barrier and wait for every rank (native or add/done)."""
         counter = op.key(K.ARRIVE)
+        log_key = op.key(K.LOG) if op.name in ("all_gather", "all_sum") else None
+
+        def wake_native(ln: Lane, notice: bytes) -> None:
+            if log_key is not None:
+                ln.append(log_key, K.frame(-1, notice))
+            ln.add(counter, K.ABORT_BIAS)
+
         try:
             if lane.native_barrier:
-                with self._watcher.blocked(op.key(K.NAMES), op.seconds):
+                with self._watcher.blocked(op.key(K.NAMES), op.seconds, wake_native):
                     lane.barrier(counter, self._world, op.left())
                 if op.left() < 0.05:
                     # TCPStore's native barrier can return normally when several
@@ -261,7 +311,7 @@ class PyStoreCollectives(ControlCollectives):
             if lane.add(counter, 1) == self._world:
                 lane.set(op.key(K.DONE), K.TAG_DATA)
                 return
-            with self._watcher.blocked(op.key(K.NAMES), op.seconds):
+            with self._watcher.blocked(op.key(K.NAMES), op.seconds, self._wake_set([op.key(K.DONE)])):
                 done = lane.get(op.key(K.DONE), op.left())
         except Exception as exc:
             raise self._failure(op, exc) from None
@@ -312,7 +362,7 @@ class PyStoreCollectives(ControlCollectives):
         slots = [K.rank_slot(op.prefix, r) for r in range(self._world)]
         self._put(lane, slots[self._rank], payload)
         try:
-            with self._watcher.blocked(op.key(K.NAMES), op.seconds):
+            with self._watcher.blocked(op.key(K.NAMES), op.seconds, self._wake_set(slots)):
                 heads = lane.multi_get(slots, op.left())
         except Exception as exc:
             raise self._failure(op, exc) from None
@@ -327,7 +377,8 @@ class PyStoreCollectives(ControlCollectives):
     def _read(self, op: _Op, lane: Lane, key: str) -> tuple[bytes, list[str]]:
         """Blocking read of one tagged value: ``(payload, chunk keys to delete)``."""
         try:
-            value = lane.get(key, op.left())
+            with self._watcher.blocked(op.key(K.NAMES), op.seconds, self._wake_set([key])):
+                value = lane.get(key, op.left())
         except Exception as exc:
             raise self._failure(op, exc) from None
         return self._untag(op, lane, key, value)
@@ -343,17 +394,34 @@ class PyStoreCollectives(ControlCollectives):
             self._raise_abort(op, value[1:])
         raise collective_error(op.name, op.label, "unexpected value in the store (not written by torch_ctrl?)")
 
+    @staticmethod
+    def _wake_set(keys: list[str]) -> Callable[[Lane, bytes], None]:
+        """How the watcher releases a caller blocked reading ``keys``: write the abort notice there."""
+
+        def wake(lane: Lane, notice: bytes) -> None:
+            lane.multi_set(keys, [K.TAG_ABORT + notice] * len(keys))
+
+        return wake
+
     def _check_counter(self, op: _Op, counter: bytes | None) -> None:
         if counter is not None and counter.lstrip(b"-").isdigit() and int(counter) >= K.ABORT_BIAS:
-            self._raise_abort(op, b"")
+            with self._lanes.lane() as lane:
+                notice = lane.peek(self._watcher.abort_key)
+            self._raise_abort(op, notice or self._watcher.notice or b"-1:")
 
-    def _raise_abort(self, op: _Op, notice: bytes) -> None:
+    def _raise_abort(self, op: _Op, notice: bytes) -> NoReturn:
+        self._watcher.aborted(notice)
         rank, _, reason = notice.decode("utf-8", "replace").partition(":")
         raise aborted_error(op.name, op.label, int(rank) if rank.lstrip("-").isdigit() else -1, reason)
 
     # -------------------------------------------------------------- diagnostics
     def _failure(self, op: _Op, exc: BaseException) -> Exception:
         """Turn a store exception into a one-line CollectiveTimeoutError or CollectiveError."""
+        if self._watcher.notice is not None:
+            try:
+                self._raise_abort(op, self._watcher.notice)
+            except Exception as aborted:  # noqa: BLE001 - returned, not raised, by contract
+                return aborted
         text = one_line(str(exc))
         if time.monotonic() < op.deadline - 0.01 and "timeout" not in text.lower():
             return collective_error(op.name, op.label, f"store error: {text}")

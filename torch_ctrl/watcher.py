@@ -2,14 +2,19 @@
 
 It does the work that must not sit on a collective's critical path:
 
-* **cleanup**: deleting a finished collective's keys (exit counters, deletes),
-  so ops return as soon as their result is known;
+* **cleanup**: deleting a finished collective's keys, so ops return as soon as
+  their result is known (with back-pressure, see ``MAX_PENDING``);
 * **names**: a rank blocked past a grace period appends its rank to the
-  collective's NAMES log, so that a timeout can list the missing ranks with
-  one read instead of one probe per rank.
+  collective's NAMES log, so a timeout can list the missing ranks with one read;
+* **abort**: while a caller is blocked, it polls the group's abort notice every
+  ``POLL`` seconds; on an abort it wakes every blocked caller by writing an abort
+  marker into the key that caller waits on (each blocking call registers how);
+* **liveness** (opt in): heartbeats every ``heartbeat_interval``, and, while a
+  caller is blocked, a rank whose heartbeat stops for ``DEAD_AFTER`` intervals is
+  declared dead: the watcher writes the abort notice on its behalf.
 
 The thread starts on first use and stops on ``close()`` after draining its
-queue (bounded by ``flush_timeout``).
+queue; unclosed watchers are stopped at interpreter exit.
 """
 
 from __future__ import annotations
@@ -23,18 +28,24 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from . import keys as K
 from .lanes import Lane, Lanes
 
 log = logging.getLogger(__name__)
 
 Task = Callable[[Lane], None]
+Wake = Callable[[Lane, bytes], None]
 
 # Most cleanup tasks queued per instance: a caller that would exceed it waits, so a
 # tight loop of collectives cannot outrun its cleanup and grow the store.
 MAX_PENDING = 4
-
+# Abort poll period while a caller is blocked: wakes peers within 1 s at under
+# 2 store operations per second per blocked rank.
+POLL = 0.7
+# A rank whose heartbeat counter has not moved for this many intervals is dead.
+DEAD_AFTER = 2.5
 
 _LIVE: weakref.WeakSet[Watcher] = weakref.WeakSet()
 
@@ -56,15 +67,28 @@ def grace_period(timeout: float) -> float:
 class _Blocked:
     names_key: str
     due: float
+    wake: Wake | None
     named: bool = False
+    woken: bool = False
+
+
+@dataclass
+class _Beat:
+    value: bytes | None = None
+    since: float = field(default_factory=time.monotonic)
 
 
 class Watcher:
-    """Background cleanup and naming for one collectives instance."""
+    """Background cleanup, naming, abort polling and liveness for one collectives instance."""
 
-    def __init__(self, lanes: Lanes, rank: int) -> None:
+    def __init__(self, lanes: Lanes, rank: int, world_size: int, heartbeat: float | None = None) -> None:
         self._lanes = lanes
         self._rank = rank
+        self._world = world_size
+        self._heartbeat = heartbeat
+        self.abort_key = K.group_key(world_size, "abort")
+        self._hb_keys = [K.group_key(world_size, f"hb/{r}") for r in range(world_size)]
+        self._beats = [_Beat() for _ in range(world_size)]
         self._cv = threading.Condition()
         self._tasks: deque[Task] = deque()
         self._blocked: dict[int, _Blocked] = {}
@@ -72,7 +96,13 @@ class Watcher:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._busy = False
+        self._next_poll = 0.0
+        self._next_beat = 0.0
+        self.notice: bytes | None = None  # b"{rank}:{reason}" once the group is aborted
         _LIVE.add(self)
+        if heartbeat is not None:
+            with self._cv:
+                self._start()
 
     # -- API used by the collectives -------------------------------------------
     def submit(self, task: Task) -> None:
@@ -87,18 +117,30 @@ class Watcher:
             self._cv.notify_all()
 
     @contextmanager
-    def blocked(self, names_key: str, timeout: float) -> Iterator[None]:
-        """Mark the caller as blocked in a collective whose NAMES log is ``names_key``."""
+    def blocked(self, names_key: str, timeout: float, wake: Wake | None = None) -> Iterator[None]:
+        """Mark the caller as blocked in a collective whose NAMES log is ``names_key``;
+        ``wake(lane, notice)`` releases it on abort."""
         ident = next(self._ids)
         with self._cv:
-            self._blocked[ident] = _Blocked(names_key, time.monotonic() + grace_period(timeout))
+            now = time.monotonic()
+            if not self._blocked:
+                self._next_poll = now + POLL
+            self._blocked[ident] = _Blocked(names_key, now + grace_period(timeout), wake)
             self._start()
-            self._cv.notify()
+            self._cv.notify_all()
         try:
             yield
         finally:
             with self._cv:
                 self._blocked.pop(ident, None)
+
+    def aborted(self, notice: bytes) -> None:
+        """The group is aborted: remember the first notice and wake every blocked caller."""
+        with self._cv:
+            if self.notice is None:
+                self.notice = notice
+            self._start()
+            self._cv.notify_all()
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every submitted task has run; False on timeout."""
@@ -112,7 +154,7 @@ class Watcher:
         return True
 
     def close(self, flush_timeout: float = 5.0) -> None:
-        """Stop taking tasks; the thread drains its queue, then exits (joined up to ``flush_timeout``)."""
+        """Stop taking tasks and heartbeats; the thread drains its queue, then exits."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
@@ -126,7 +168,8 @@ class Watcher:
             self._thread = threading.Thread(target=self._run, name="torch_ctrl-watcher", daemon=True)
             self._thread.start()
 
-    def _next_work(self) -> tuple[list[Task], list[str]]:
+    def _next_work(self) -> tuple[list[Task], list[str], list[_Blocked], bool, bool]:
+        """Wait for something to do: (tasks, names to publish, callers to wake, poll?, beat?)."""
         with self._cv:
             while True:
                 now = time.monotonic()
@@ -134,13 +177,26 @@ class Watcher:
                 for b in self._blocked.values():
                     if b.due <= now:
                         b.named = True
-                if self._tasks or names or self._closed:
+                wake = [b for b in self._blocked.values() if self.notice is not None and not b.woken]
+                for b in wake:
+                    b.woken = True
+                poll = bool(self._blocked) and self.notice is None and now >= self._next_poll
+                if poll:
+                    self._next_poll = now + (min(POLL, self._heartbeat) if self._heartbeat else POLL)
+                beat = self._heartbeat is not None and not self._closed and now >= self._next_beat
+                if beat:
+                    self._next_beat = now + self._heartbeat  # type: ignore[operator]
+                if self._tasks or names or wake or poll or beat or (self._closed and not self._blocked):
                     tasks = [self._tasks.popleft()] if self._tasks else []
                     self._busy = bool(tasks)
                     self._cv.notify_all()
-                    return tasks, names
-                pending = [b.due for b in self._blocked.values() if not b.named]
-                self._cv.wait(max(0.0, min(pending) - now) if pending else None)
+                    return tasks, names, wake, poll, beat
+                due = [b.due for b in self._blocked.values() if not b.named]
+                if self._blocked and self.notice is None:
+                    due.append(self._next_poll)
+                if self._heartbeat is not None and not self._closed:
+                    due.append(self._next_beat)
+                self._cv.wait(max(0.0, min(due) - now) if due else None)
 
     def _run(self) -> None:
         try:
@@ -153,20 +209,53 @@ class Watcher:
                 self._cv.notify_all()
             return
         while True:
-            tasks, names = self._next_work()
+            tasks, names, wake, poll, beat = self._next_work()
+            if beat:
+                self._safely(lambda ln: ln.add(self._hb_keys[self._rank], 1), lane)
+            if poll:
+                self._safely(self._poll, lane)
             for key in names:
                 self._safely(lambda ln, k=key: ln.append(k, b"%d," % self._rank), lane)
+            for blocked in wake:
+                if blocked.wake is not None:
+                    notice = self.notice or b""
+                    self._safely(lambda ln, b=blocked, n=notice: b.wake(ln, n), lane)  # type: ignore[misc]
             for task in tasks:
                 self._safely(task, lane)
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
-                if self._closed and not self._tasks:
+                if self._closed and not self._tasks and not self._blocked:
                     return
+
+    def _poll(self, lane: Lane) -> None:
+        """One abort check (and, with liveness, one heartbeat read) for blocked callers."""
+        notice = lane.peek(self.abort_key)
+        if notice is None and self._heartbeat is not None:
+            dead = self._find_dead(lane)
+            if dead is not None:
+                rank, silent = dead
+                mine = b"%d:no heartbeat for %.1fs (process died or hung)" % (rank, silent)
+                notice = bytes(lane.store.compare_set(self.abort_key, b"", mine))
+        if notice is not None:
+            self.aborted(notice)
+
+    def _find_dead(self, lane: Lane) -> tuple[int, float] | None:
+        """A rank whose heartbeat has not moved for DEAD_AFTER intervals, if any."""
+        assert self._heartbeat is not None
+        now = time.monotonic()
+        values = lane.peek_many(self._hb_keys)
+        for rank, value in enumerate(values):
+            beat = self._beats[rank]
+            if value != beat.value:
+                beat.value, beat.since = value, now
+            elif value is not None and rank != self._rank and now - beat.since > DEAD_AFTER * self._heartbeat:
+                return rank, now - beat.since
+        return None
 
     @staticmethod
     def _safely(task: Task, lane: Lane) -> None:
         try:
             task(lane)
-        except Exception as exc:  # noqa: BLE001 - cleanup is best effort
+        except Exception as exc:  # noqa: BLE001 - background work is best effort
             log.debug("torch_ctrl watcher task failed: %s", exc)

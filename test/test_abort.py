@@ -1,0 +1,211 @@
+"""Fail fast: group abort, abort_on_error, and dead-rank detection (liveness)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+from helpers import IMPLS, Stores, make, run_ranks
+
+from torch_ctrl import CollectiveAbortedError
+from torch_ctrl.counting import CountingStore
+
+WORLD = 4
+
+
+def _blocked_op(coll, rank: int, op: str) -> None:
+    """Block in ``op`` on rank ``rank`` (its counterpart, rank 3, never takes part)."""
+    t = 300
+    if op == "barrier":
+        coll.barrier("k", t)
+    elif op == "broadcast_recv":
+        coll.broadcast_recv("k", t)
+    elif op == "gather_recv":
+        coll.gather_recv("k", b"x", t) if rank == 0 else coll.gather_send("k", b"x", t)
+    elif op == "scatter_recv":
+        coll.scatter_recv("k", t)
+    elif op == "all_gather":
+        coll.all_gather("k", b"x", t)
+    elif op == "all_sum":
+        coll.all_sum("k", 1, t)
+    if op == "gather_recv" and rank != 0:
+        coll.barrier("after", t)  # senders block elsewhere
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", ["barrier", "broadcast_recv", "gather_recv", "scatter_recv", "all_gather", "all_sum"])
+@pytest.mark.parametrize("kind", ["tcp", "hash", "file", "python"])
+def test_abort_wakes_blocked_peers_within_a_second(impl: str, kind: str, op: str) -> None:
+    stores = Stores(kind)
+    aborted_at: list[float] = []
+    ready = threading.Barrier(WORLD)
+
+    def fn(rank: int):
+        coll = make(impl, stores.client(rank), rank, WORLD)
+        ready.wait()
+        if rank == 3:
+            time.sleep(0.3)
+            aborted_at.append(time.monotonic())
+            coll.abort("disk full")
+            coll.abort("second reason is ignored")
+            return None
+        with pytest.raises(CollectiveAbortedError) as info:
+            _blocked_op(coll, rank, op)
+        took = time.monotonic() - aborted_at[0]
+        coll.close()
+        return took, info.value
+
+    for rank, out in enumerate(run_ranks(WORLD, fn, timeout=30)[:3]):
+        took, exc = out
+        assert took < 1.0, (rank, took)
+        assert exc.rank == 3 and exc.reason == "disk full"
+        assert "rank 3" in str(exc) and "disk full" in str(exc) and "\n" not in str(exc)
+        assert isinstance(exc, dist.DistStoreError)
+
+
+def test_later_collective_on_another_instance_fails_at_once(impl: str) -> None:
+    stores = Stores("tcp")
+    make(impl, stores.client(1), 1, WORLD).abort("bad config")
+    other = make(impl, stores.client(0), 0, WORLD)
+    start = time.monotonic()
+    with pytest.raises(CollectiveAbortedError, match="group aborted by rank 1: bad config") as info:
+        other.all_gather("anything", b"x", 300)
+    assert time.monotonic() - start < 0.5
+    assert info.value.rank == 1
+    with pytest.raises(CollectiveAbortedError):
+        other.barrier()  # and every later one
+    other.close()
+
+
+def test_abort_on_error(impl: str) -> None:
+    stores = Stores("hash")
+    coll = make(impl, stores.client(0), 0, 2)
+    with pytest.raises(KeyError):
+        with coll.abort_on_error():
+            raise KeyError("missing shard 7")
+    peer = make(impl, stores.client(1), 1, 2)
+    with pytest.raises(CollectiveAbortedError) as info:
+        peer.barrier("b", 10)
+    assert info.value.rank == 0 and info.value.reason.startswith("KeyError")
+    assert "missing shard 7" in info.value.reason
+    with coll.abort_on_error():  # no exception: nothing happens
+        pass
+
+
+@pytest.mark.parametrize("world", [4, 32])
+def test_waiting_store_load_is_bounded(impl: str, world: int) -> None:
+    """Blocked ranks cost at most 2 store operations per second each, whatever the world size."""
+    counting = CountingStore(dist.HashStore())
+    stop = threading.Event()
+    colls = [make(impl, counting, r, world) for r in range(world)]
+
+    def fn(rank: int):
+        if rank == world - 1:
+            stop.wait(20)
+            colls[rank].abort("done")
+            return None
+        with pytest.raises(CollectiveAbortedError):
+            colls[rank].barrier("wait", 300)
+        return None
+
+    def measure() -> None:
+        time.sleep(1.0)  # everyone blocked
+        counting.reset()
+        time.sleep(3.0)
+        measured.append(counting.total())
+        stop.set()
+
+    measured: list[int] = []
+    meter = threading.Thread(target=measure)
+    meter.start()
+    run_ranks(world, fn, timeout=40)
+    meter.join()
+    per_rank_per_s = measured[0] / (world - 1) / 3.0
+    assert per_rank_per_s <= 2.0, per_rank_per_s
+    for c in colls:
+        c.close()
+
+
+# --------------------------------------------------------------- real processes
+
+
+def _rank_proc(port: int, impl: str, rank: int, world: int, heartbeat: float, delay: float, queue) -> None:  # noqa: ANN001
+    import torch.distributed as dist
+    from helpers import make
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    coll = make(impl, store, rank, world) if heartbeat <= 0 else _with_heartbeat(impl, store, rank, world, heartbeat)
+    queue.put(("ready", rank, time.time()))
+    if delay:
+        time.sleep(delay)
+    try:
+        coll.barrier("b", 300)
+        queue.put(("ok", rank, time.time()))
+    except CollectiveAbortedError as exc:
+        queue.put(("aborted", rank, time.time(), exc.rank, exc.reason))
+    except Exception as exc:  # noqa: BLE001
+        queue.put(("error", rank, time.time(), repr(exc)))
+    coll.close()
+
+
+def _with_heartbeat(impl: str, store, rank: int, world: int, heartbeat: float):  # noqa: ANN001
+    from torch_ctrl import PyStoreCollectives
+    from torch_ctrl.cpp import CppStoreCollectives
+
+    cls = PyStoreCollectives if impl == "python" or (impl == "mixed" and rank % 2) else CppStoreCollectives
+    return cls(store, rank, world, heartbeat_interval=heartbeat)
+
+
+def _spawn(impl: str, world: int, heartbeat: float, delays: dict[int, float]):
+    ctx = mp.get_context("spawn")
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    queue = ctx.Queue()
+    os.environ["PYTHONPATH"] = os.path.dirname(__file__) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    procs = [
+        ctx.Process(target=_rank_proc, args=(server.port, impl, r, world, heartbeat, delays.get(r, 0.0), queue))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    return server, queue, procs
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif("cpp" not in IMPLS, reason="C++ extension not built")
+def test_sigkilled_rank_is_detected_within_5s(impl: str) -> None:
+    server, queue, procs = _spawn(impl, 4, 1.0, {2: 120.0})  # rank 2 is busy elsewhere, then dies
+    try:
+        for _ in range(4):
+            assert queue.get(timeout=60)[0] == "ready"
+        time.sleep(1.5)  # ranks 0, 1, 3 in the barrier, heartbeats flowing
+        killed = time.time()
+        os.kill(procs[2].pid, signal.SIGKILL)
+        results = [queue.get(timeout=30) for _ in range(3)]
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    for kind, rank, when, *rest in results:
+        assert kind == "aborted", (kind, rank, rest)
+        dead_rank, reason = rest
+        assert dead_rank == 2 and "no heartbeat" in reason
+        assert when - killed < 5.0, when - killed
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif("cpp" not in IMPLS, reason="C++ extension not built")
+def test_slow_but_alive_rank_is_not_dead(impl: str) -> None:
+    server, queue, procs = _spawn(impl, 3, 0.5, {1: 4.0})
+    try:
+        results = [queue.get(timeout=60) for _ in range(6)]
+    finally:
+        for p in procs:
+            p.join(10)
+    done = [r for r in results if r[0] != "ready"]
+    assert sorted(r[0] for r in done) == ["ok", "ok", "ok"], done
