@@ -141,6 +141,12 @@ def _rank_proc(port: int, impl: str, rank: int, world: int, heartbeat: float, de
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     coll = make(impl, store, rank, world) if heartbeat <= 0 else _with_heartbeat(impl, store, rank, world, heartbeat)
     queue.put(("ready", rank, time.time()))
+    if delay < 0:  # this rank aborts after -delay seconds
+        time.sleep(-delay)
+        queue.put(("aborter", rank, time.time()))
+        coll.abort("disk full")
+        coll.close()
+        return
     if delay:
         time.sleep(delay)
     try:
@@ -209,3 +215,42 @@ def test_slow_but_alive_rank_is_not_dead(impl: str) -> None:
             p.join(10)
     done = [r for r in results if r[0] != "ready"]
     assert sorted(r[0] for r in done) == ["ok", "ok", "ok"], done
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif("cpp" not in IMPLS, reason="C++ extension not built")
+def test_abort_across_processes(impl: str) -> None:
+    server, queue, procs = _spawn(impl, 4, 0.0, {3: -1.5})
+    try:
+        events = [queue.get(timeout=60) for _ in range(8)]
+    finally:
+        for p in procs:
+            p.join(10)
+    aborted_at = next(e[2] for e in events if e[0] == "aborter")
+    peers = [e for e in events if e[0] not in ("ready", "aborter")]
+    assert len(peers) == 3
+    for kind, rank, when, *rest in peers:
+        assert kind == "aborted", (kind, rank, rest)
+        assert rest == [3, "disk full"]
+        assert when - aborted_at < 1.0, when - aborted_at
+
+
+@pytest.mark.parametrize("how", ["close", "gc"])
+def test_heartbeats_stop_on_close_and_gc(impl: str, how: str) -> None:
+    import gc
+
+    counting = CountingStore(dist.HashStore())
+    coll = make(impl, counting, 0, 2) if impl != "mixed" else make("cpp", counting, 0, 2)
+    coll.close()
+    beating = _with_heartbeat("python" if impl == "python" else "cpp", counting, 1, 2, 0.05)
+    time.sleep(0.3)
+    assert counting.counts().get("add", 0) >= 3  # it beats
+    if how == "close":
+        beating.close()
+    else:
+        del beating
+        gc.collect()
+    time.sleep(0.2)  # let a beat in flight land
+    counting.reset()
+    time.sleep(0.4)
+    assert counting.counts().get("add", 0) == 0
