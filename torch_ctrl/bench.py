@@ -37,12 +37,12 @@ from .store_collectives import PyStoreCollectives
 
 OPS = ("barrier", "broadcast", "gather", "scatter", "all_gather", "all_sum")  # the nine methods, as six ops
 METHOD_OPS = {f"{o}_{s}": o for o in ("broadcast", "gather", "scatter") for s in ("send", "recv")}
-CONTENDERS = ("torch", "cpp", "python", "elastic", "native", "floor")
+CONTENDERS = ("torch", "cpp", "cpp-hb", "python", "elastic", "native", "floor")
 COUNTED = ("torch", "cpp", "python")  # the full-API contenders
 SUPPORTS = {"elastic": ("barrier", "all_gather"), "native": ("barrier",)}  # others: every op
 BASELINE = "torch"
-_NAMES = ("torch._StoreCollectives", "torch_ctrl C++", "torch_ctrl Python", "elastic.utils.store", "TCPStore.barrier")
-LABELS = dict(zip(CONTENDERS, (*_NAMES, "floor (1 add)")))
+_NAMES = ("torch._StoreCollectives", "torch_ctrl C++", "torch_ctrl C++ hb=1s", "torch_ctrl Python")
+LABELS = dict(zip(CONTENDERS, (*_NAMES, "elastic.utils.store", "TCPStore.barrier", "floor (1 add)")))
 # The issue's targets: (name, contender, over contender, op or None = every op, N or None = every N, max ratio).
 TARGETS = (
     ("C++ <= 1.0x torch", "cpp", "torch", None, None, 1.0),
@@ -51,7 +51,10 @@ TARGETS = (
     ("C++ all_sum <= 0.8x torch", "cpp", "torch", "all_sum", None, 0.8),
     ("C++ barrier <= 0.75x torch @512", "cpp", "torch", "barrier", 512, 0.75),
     ("Python <= 1.25x C++ @2", "python", "cpp", None, 2, 1.25),
+    ("C++ liveness on barrier <= 1.1x off", "cpp-hb", "cpp", "barrier", None, 1.1),
 )
+HEARTBEAT = 1.0  # cpp-hb: torch_ctrl C++ with liveness on (heartbeat_interval, seconds)
+LIVENESS_MAX = 1.1  # the issue: liveness on, barrier <= 1.1x liveness off
 Task = tuple[str, int, str]  # (op, round, contender); round -1 is the warm-up
 Timing = tuple[float, float, str]  # (start, end, error or "")
 
@@ -81,6 +84,8 @@ def rounds_for(world: int, rounds: int) -> int:
 
 def make_instance(contender: str, store: dist.Store, rank: int, world: int) -> Any:
     """What a contender's ops are called on (the store itself for the store-only contenders)."""
+    if contender == "cpp-hb":
+        return CppStoreCollectives(store, rank, world, heartbeat_interval=HEARTBEAT)
     cls = {"torch": dist._StoreCollectives, "cpp": CppStoreCollectives, "python": PyStoreCollectives}.get(contender)
     return cls(store, rank, world) if cls is not None else store
 
@@ -338,6 +343,25 @@ def target_table(records: list[dict[str, Any]]) -> str:
     return "**Targets**\n\n" + _md(["target", "op", "N", "measured", "status"], rows)
 
 
+def liveness_ratios(records: list[dict[str, Any]]) -> dict[int, float]:
+    """Barrier median of ``cpp-hb`` (liveness on) over ``cpp`` (off), per N where both ran."""
+    _, cell = _cells(records)
+    out = {}
+    for (op, n, c), r in sorted(cell.items(), key=lambda kv: kv[0][1]):
+        off = cell.get((op, n, "cpp"), {}).get("median_ms")
+        if op == "barrier" and c == "cpp-hb" and off and r["median_ms"] is not None:
+            out[n] = r["median_ms"] / off
+    return out
+
+
+def liveness_line(ratios: dict[int, float]) -> str:
+    """One line: the liveness on/off barrier ratios against the 1.1x target."""
+    cells = ", ".join(f"N={n} {x:.2f}x" for n, x in ratios.items())
+    verdict = "met" if all(x <= LIVENESS_MAX for x in ratios.values()) else "MISSED"
+    head = f"liveness on/off (barrier, heartbeat_interval={HEARTBEAT:g} s)"
+    return f"{head}: {cells} (target <= {LIVENESS_MAX:g}x: {verdict})"
+
+
 def count_tables(records: list[dict[str, Any]]) -> str:
     """Markdown: store operations per op per rank, and the critical path by method at the largest N."""
     keys, cell = _cells(records)
@@ -493,10 +517,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         counts += count_ops(n, opts.ops, opts.data, opts.timeout, opts.count_store, server.port)
     meta["seconds"] = round(time.perf_counter() - begin, 1)
     text = latency_tables(latency, opts.contenders) + "\n\n" + target_table(latency)
+    liveness = liveness_ratios(latency)
+    if liveness:
+        text += "\n\n" + liveness_line(liveness)
     if counts:
         text += f"\n\n{count_tables(counts)}\n\n(CountingStore over a {opts.count_store} store)"
     print("\n" + text + "\n")
-    (out / "results.json").write_text(json.dumps(dict(meta=meta, latency=latency, op_counts=counts), indent=1))
+    (out / "results.json").write_text(
+        json.dumps(dict(meta=meta, latency=latency, liveness_barrier_on_off=liveness, op_counts=counts), indent=1)
+    )
     (out / "results.md").write_text(text + "\n")
     print(plot(latency, opts.ops, opts.contenders, out / "latency.png"))
     failures = sum(len(r["errors"]) for r in latency + counts)
