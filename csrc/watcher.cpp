@@ -34,6 +34,10 @@ struct Watcher::State {
   bool running = false;
   Clock::time_point next_poll{};
   Clock::time_point next_beat{};
+  // While the thread sleeps: until when (nullopt: until notified). Lets callers skip
+  // waking it, so back-to-back collectives do not cost a thread switch each.
+  bool sleeping = false;
+  std::optional<Clock::time_point> wake_at;
   std::optional<std::string> notice;
   std::thread thread;
 };
@@ -84,7 +88,9 @@ void Watcher::submit(Task task) {
   }
   state_->tasks.push_back(std::move(task));
   start_locked();
-  state_->cv.notify_all();
+  if (state_->sleeping) {
+    state_->cv.notify_all();
+  }
 }
 
 void Watcher::aborted(const std::string& notice) {
@@ -142,9 +148,13 @@ Watcher::Blocked::Blocked(Watcher& w, const std::string& names_key, double timeo
     w_.state_->next_poll = now + secs(kPoll);
   }
   id_ = w_.state_->next_id++;
-  w_.state_->blocked[id_] = Entry{names_key, now + secs(grace_period(timeout)), std::move(wake), false, false};
+  auto due = now + secs(grace_period(timeout));
+  w_.state_->blocked[id_] = Entry{names_key, due, std::move(wake), false, false};
   w_.start_locked();
-  w_.state_->cv.notify_all();
+  auto first = std::min(due, w_.state_->next_poll);
+  if (w_.state_->sleeping && (!w_.state_->wake_at || *w_.state_->wake_at > first)) {
+    w_.state_->cv.notify_all();
+  }
 }
 
 Watcher::Blocked::~Blocked() {
@@ -242,11 +252,14 @@ void Watcher::run(std::shared_ptr<State> st) {
       if (st->closed && st->blocked.empty()) {
         break;
       }
+      st->wake_at = next;
+      st->sleeping = true;
       if (next) {
         st->cv.wait_until(lock, *next);
       } else {
         st->cv.wait(lock);
       }
+      st->sleeping = false;
       continue;
     }
     st->busy = !tasks.empty();

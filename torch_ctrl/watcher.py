@@ -98,6 +98,10 @@ class Watcher:
         self._busy = False
         self._next_poll = 0.0
         self._next_beat = 0.0
+        # While the thread sleeps: until when (None: until notified). Lets callers skip
+        # waking it, so back-to-back collectives do not cost a thread switch each.
+        self._sleeping = False
+        self._wake_at: float | None = None
         self.notice: bytes | None = None  # b"{rank}:{reason}" once the group is aborted
         _LIVE.add(self)
         if heartbeat is not None:
@@ -114,7 +118,8 @@ class Watcher:
                 self._cv.wait(0.1)
             self._tasks.append(task)
             self._start()
-            self._cv.notify_all()
+            if self._sleeping:
+                self._cv.notify_all()
 
     @contextmanager
     def blocked(self, names_key: str, timeout: float, wake: Wake | None = None) -> Iterator[None]:
@@ -125,9 +130,12 @@ class Watcher:
             now = time.monotonic()
             if not self._blocked:
                 self._next_poll = now + POLL
-            self._blocked[ident] = _Blocked(names_key, now + grace_period(timeout), wake)
+            entry = _Blocked(names_key, now + grace_period(timeout), wake)
+            self._blocked[ident] = entry
             self._start()
-            self._cv.notify_all()
+            first = min(entry.due, self._next_poll)
+            if self._sleeping and (self._wake_at is None or self._wake_at > first):
+                self._cv.notify_all()
         try:
             yield
         finally:
@@ -196,7 +204,10 @@ class Watcher:
                     due.append(self._next_poll)
                 if self._heartbeat is not None and not self._closed:
                     due.append(self._next_beat)
-                self._cv.wait(max(0.0, min(due) - now) if due else None)
+                self._wake_at = min(due) if due else None
+                self._sleeping = True
+                self._cv.wait(max(0.0, self._wake_at - now) if self._wake_at is not None else None)
+                self._sleeping = False
 
     def _run(self) -> None:
         try:
