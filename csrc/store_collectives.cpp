@@ -357,6 +357,10 @@ std::map<int, std::string> StoreCollectives::exchange(const Op& op, const std::s
       if (rank < 0) {
         raise_abort(op, head);
       }
+      if (!head.empty() && head[0] == K::kTagData) {  // the common case: no chunk key to build
+        entries[rank] = head.substr(1);
+        continue;
+      }
       auto got = untag(op, *lane, K::frame_key(log_key, rank), head);
       entries[rank] = std::move(got.first);
       garbage.insert(garbage.end(), got.second.begin(), got.second.end());

@@ -340,6 +340,9 @@ class PyStoreCollectives(ControlCollectives):
             for rank, head in K.parse_frames(log):
                 if rank < 0:
                     self._raise_abort(op, head)
+                if head[:1] == K.TAG_DATA:  # the common case: no chunk key to build
+                    entries[rank] = head[1:]
+                    continue
                 entries[rank], used = self._untag(op, lane, K.frame_key(log_key, rank), head)
                 garbage += used
         self._exit_later(op, self._world, [K.LOG, K.ARRIVE, K.DONE, K.NAMES], garbage)
