@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import abc
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Union
 
@@ -69,6 +70,31 @@ class ControlCollectives(abc.ABC):
     @abc.abstractmethod
     def all_sum(self, key: str | None = None, data: int | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> int:
         """The sum of every rank's integer (64-bit, wrapping like torch's store counters)."""
+
+    def abort(self, reason: str = "") -> None:
+        """Mark the group as failed by this rank; peers blocked in any collective raise
+        ``CollectiveAbortedError``. Backends without fail-fast support raise NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} does not support abort()")
+
+    @contextmanager
+    def abort_on_error(self) -> Iterator[None]:
+        """Abort the group with the exception's type and message if the block raises, then re-raise."""
+        try:
+            yield
+        except BaseException as exc:
+            if not isinstance(exc, GeneratorExit):
+                text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                self.abort(f"{type(exc).__name__}: {text}")
+            raise
+
+    def close(self, flush_timeout: float = 5.0) -> None:  # noqa: B027 - optional for other backends
+        """Release resources (background threads, connections); a no-op by default."""
+
+    def __enter__(self) -> ControlCollectives:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # --------------------------------------------------------------------------- checks

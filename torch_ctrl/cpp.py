@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch  # noqa: F401 - loads libtorch before the extension
 import torch.distributed as dist
@@ -27,7 +26,6 @@ from .base import (
     to_int64,
     to_seconds,
 )
-from .errors import one_line
 
 _LIVE: weakref.WeakSet[CppStoreCollectives] = weakref.WeakSet()
 
@@ -117,25 +115,9 @@ class CppStoreCollectives(ControlCollectives):
             raise TypeError(f"reason must be a str, got {type(reason).__name__}")
         self._impl.abort(reason)
 
-    @contextmanager
-    def abort_on_error(self) -> Iterator[None]:
-        """Abort the group with the exception's type and message if the block raises, then re-raise."""
-        try:
-            yield
-        except BaseException as exc:
-            if not isinstance(exc, GeneratorExit):
-                self.abort(f"{type(exc).__name__}: {one_line(str(exc))}")
-            raise
-
     def close(self, flush_timeout: float = 5.0) -> None:
         """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections."""
         self._impl.close(float(flush_timeout))
-
-    def __enter__(self) -> CppStoreCollectives:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __del__(self) -> None:
         impl = getattr(self, "_impl", None)

@@ -227,16 +227,6 @@ class PyStoreCollectives(ControlCollectives):
             notice = bytes(lane.store.compare_set(self._watcher.abort_key, b"", mine))
         self._watcher.aborted(notice)
 
-    @contextmanager
-    def abort_on_error(self) -> Iterator[None]:
-        """Abort the group with the exception's type and message if the block raises, then re-raise."""
-        try:
-            yield
-        except BaseException as exc:
-            if not isinstance(exc, GeneratorExit):
-                self.abort(f"{type(exc).__name__}: {one_line(str(exc))}")
-            raise
-
     def close(self, flush_timeout: float = 5.0) -> None:
         """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections."""
         self._watcher.close(flush_timeout)
@@ -246,12 +236,6 @@ class PyStoreCollectives(ControlCollectives):
         watcher = getattr(self, "_watcher", None)
         if watcher is not None:
             watcher.close(0.0)  # the thread drains its queue on its own
-
-    def __enter__(self) -> PyStoreCollectives:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self._rank}, world_size={self._world})"
