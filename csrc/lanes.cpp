@@ -111,7 +111,15 @@ void Lane::arm(double seconds) {
 }
 
 void Lane::wait(const std::vector<std::string>& keys, double seconds) {
-  store->wait(keys, millis(seconds));
+  try {
+    store->wait(keys, millis(seconds));
+  } catch (const std::exception& exc) {
+    // A Python store whose wait() takes no timeout: its own timeout applies.
+    if (std::string(exc.what()).find("TypeError") == std::string::npos) {
+      throw;
+    }
+    store->wait(keys);
+  }
 }
 
 bool Lane::fits(double seconds) {

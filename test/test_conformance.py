@@ -141,3 +141,30 @@ def test_nonblocking_barrier(impl: str, stores: Stores) -> None:
         return True
 
     assert run_group(impl, stores, WORLD, fn) == [True] * WORLD
+
+
+class _WaitWithoutTimeout(__import__("helpers").DictStore):
+    """A Python store whose wait() has no timeout parameter."""
+
+    def wait(self, keys, timeout=None):  # noqa: ANN001
+        if timeout is not None:
+            raise TypeError("wait() takes 2 positional arguments but 3 were given")
+        super().wait(keys)
+
+    def get(self, key):  # noqa: ANN001
+        super().wait([key])
+        with self._cv:
+            return self._data[key]
+
+
+def test_python_store_wait_without_timeout(impl: str) -> None:
+    shared = _WaitWithoutTimeout()
+
+    class OneStore:
+        kind = "python"
+
+        def client(self, rank: int):
+            return shared
+
+    out = run_group(impl, OneStore(), 3, lambda coll, rank: coll.all_gather("w", b"%d" % rank, 30))  # type: ignore[arg-type]
+    assert out == [[b"0", b"1", b"2"]] * 3

@@ -89,7 +89,11 @@ class Lane:
             self._timeout = seconds
 
     def wait(self, keys: Sequence[str], seconds: float) -> None:
-        self.store.wait(list(keys), timedelta(seconds=max(seconds, _TICK)))
+        try:
+            self.store.wait(list(keys), timedelta(seconds=max(seconds, _TICK)))
+        except TypeError:
+            # A Python store whose wait() takes no timeout: its own timeout applies.
+            self.store.wait(list(keys))
 
     def _fits(self, seconds: float) -> bool:
         """True when a plain blocking read can be used: the lane is ours (its timeout is
