@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cctype>
 #include <thread>
+#include <tuple>
 
 namespace torch_ctrl {
 
@@ -174,23 +175,13 @@ std::vector<std::string> StoreCollectives::gather_recv(const Key& key, const std
   }
   std::vector<std::string> values;
   if (!slots.empty()) {
-    std::vector<std::string> garbage = slots;
+    std::vector<std::string> chunks;
     {
       LaneGuard lane(*lanes_, open_lane(op));
-      std::vector<std::string> heads;
-      try {
-        Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set(slots));
-        heads = lane->multi_get(slots, op.left());
-      } catch (const std::exception& exc) {
-        failure(op, exc);
-      }
-      for (size_t i = 0; i < slots.size(); ++i) {
-        auto got = untag(op, *lane, slots[i], heads[i]);
-        values.push_back(std::move(got.first));
-        garbage.insert(garbage.end(), got.second.begin(), got.second.end());
-      }
+      std::tie(values, chunks) = read_many(op, *lane, slots);
     }
-    delete_later(garbage);
+    chunks.insert(chunks.end(), slots.begin(), slots.end());
+    delete_later(chunks);
   }
   values.insert(values.begin() + rank_, data);
   return values;
@@ -203,13 +194,8 @@ std::string StoreCollectives::scatter_send(const Key& key, const std::vector<std
     LaneGuard lane(*lanes_, open_lane(op));
     for (int r = 0; r < world_; ++r) {
       if (r != rank_) {
-        auto slot = K::rank_slot(op.prefix, r);
-        auto packed = K::pack(slot, data.at(r));
-        for (const auto& [ck, cv] : packed.second) {
-          lane->set(ck, cv);
-        }
-        slots.push_back(slot);
-        values.push_back(std::move(packed.first));
+        slots.push_back(K::rank_slot(op.prefix, r));
+        values.push_back(stage(*lane, slots.back(), data.at(r)));
       }
     }
     lane->multi_set(slots, values);
@@ -346,11 +332,7 @@ std::map<int, std::string> StoreCollectives::exchange(const Op& op, const std::s
   std::vector<std::string> garbage;
   {
     LaneGuard lane(*lanes_, open_lane(op));
-    auto packed = K::pack(K::frame_key(log_key, rank_), payload);
-    for (const auto& [ck, cv] : packed.second) {
-      lane->set(ck, cv);
-    }
-    lane->append(log_key, K::frame(rank_, packed.first));
+    lane->append(log_key, K::frame(rank_, stage(*lane, K::frame_key(log_key, rank_), payload)));
     arrive(op, *lane);
     std::string log = lane->peek(log_key).value_or("");
     for (auto& [rank, head] : K::parse_frames(log)) {
@@ -386,34 +368,51 @@ std::map<int, std::string> StoreCollectives::exchange_slots(const Op& op, const 
   for (int r = 0; r < world_; ++r) {
     slots.push_back(K::rank_slot(op.prefix, r));
   }
-  std::map<int, std::string> entries;
-  std::vector<std::string> garbage = slots;
+  std::vector<std::string> values, chunks;
   {
     LaneGuard lane(*lanes_, open_lane(op));
     put(*lane, slots[rank_], payload);
-    std::vector<std::string> heads;
-    try {
-      Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set(slots));
-      heads = lane->multi_get(slots, op.left());
-    } catch (const std::exception& exc) {
-      failure(op, exc);
-    }
-    for (int r = 0; r < world_; ++r) {
-      auto got = untag(op, *lane, slots[r], heads[r]);
-      entries[r] = std::move(got.first);
-      garbage.insert(garbage.end(), got.second.begin(), got.second.end());
-    }
+    std::tie(values, chunks) = read_many(op, *lane, slots);
   }
-  exit_later(op, world_, {K::kNames}, garbage);
+  chunks.insert(chunks.end(), slots.begin(), slots.end());
+  exit_later(op, world_, {K::kNames}, chunks);
+  std::map<int, std::string> entries;
+  for (int r = 0; r < world_; ++r) {
+    entries[r] = std::move(values[r]);
+  }
   return entries;
 }
 
-void StoreCollectives::put(Lane& lane, const std::string& key, const std::string& payload) {
+std::string StoreCollectives::stage(Lane& lane, const std::string& key, const std::string& payload) {
   auto packed = K::pack(key, payload);
   for (const auto& [ck, cv] : packed.second) {
     lane.set(ck, cv);
   }
-  lane.set(key, packed.first);
+  return std::move(packed.first);
+}
+
+void StoreCollectives::put(Lane& lane, const std::string& key, const std::string& payload) {
+  lane.set(key, stage(lane, key, payload));
+}
+
+std::pair<std::vector<std::string>, std::vector<std::string>> StoreCollectives::read_many(
+    const Op& op,
+    Lane& lane,
+    const std::vector<std::string>& keys) {
+  std::vector<std::string> heads;
+  try {
+    Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set(keys));
+    heads = lane.multi_get(keys, op.left());
+  } catch (const std::exception& exc) {
+    failure(op, exc);
+  }
+  std::vector<std::string> values, chunks;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto got = untag(op, lane, keys[i], heads[i]);
+    values.push_back(std::move(got.first));
+    chunks.insert(chunks.end(), got.second.begin(), got.second.end());
+  }
+  return {std::move(values), std::move(chunks)};
 }
 
 std::pair<std::string, std::vector<std::string>> StoreCollectives::read(

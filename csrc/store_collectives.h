@@ -63,7 +63,14 @@ class StoreCollectives {
   void arrive(const Op& op, Lane& lane);
   std::map<int, std::string> exchange(const Op& op, const std::string& payload);
   std::map<int, std::string> exchange_slots(const Op& op, const std::string& payload);
+  // Write the chunks of `payload` (if any); return the tagged value to store at `key`.
+  std::string stage(Lane& lane, const std::string& key, const std::string& payload);
   void put(Lane& lane, const std::string& key, const std::string& payload);
+  // Blocking read of several tagged values: (payloads, chunk keys to delete).
+  std::pair<std::vector<std::string>, std::vector<std::string>> read_many(
+      const Op& op,
+      Lane& lane,
+      const std::vector<std::string>& keys);
   // (payload, chunk keys to delete)
   std::pair<std::string, std::vector<std::string>> read(const Op& op, Lane& lane, const std::string& key);
   std::pair<std::string, std::vector<std::string>> untag(

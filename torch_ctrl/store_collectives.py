@@ -155,18 +155,9 @@ class PyStoreCollectives(ControlCollectives):
         slots = [K.rank_slot(op.prefix, r) for r in others]
         values: list[bytes] = []
         if slots:
-            garbage = list(slots)
             with self._lane(op) as lane:
-                try:
-                    with self._watcher.blocked(op.key(K.NAMES), op.seconds, self._wake_set(slots)):
-                        heads = lane.multi_get(slots, op.left())
-                except Exception as exc:
-                    raise self._failure(op, exc) from None
-                for slot, head in zip(slots, heads):
-                    value, chunks = self._untag(op, lane, slot, head)
-                    values.append(value)
-                    garbage += chunks
-            self._delete_later(garbage)
+                values, chunks = self._read_many(op, lane, slots)
+            self._delete_later(slots + chunks)
         values.insert(self._rank, payload)
         return values
 
@@ -177,17 +168,9 @@ class PyStoreCollectives(ControlCollectives):
         op = self._begin("scatter_send", key, timeout)
         others = [r for r in range(self._world) if r != self._rank]
         if others:
-            names: list[str] = []
-            values: list[bytes] = []
+            slots = [K.rank_slot(op.prefix, r) for r in others]
             with self._lane(op) as lane:
-                for r in others:
-                    slot = K.rank_slot(op.prefix, r)
-                    head, chunks = K.pack(slot, payloads[r])
-                    for chunk_key, chunk in chunks:
-                        lane.set(chunk_key, chunk)
-                    names.append(slot)
-                    values.append(head)
-                lane.multi_set(names, values)
+                lane.multi_set(slots, [self._stage(lane, slot, payloads[r]) for slot, r in zip(slots, others)])
         return payloads[self._rank]
 
     def scatter_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
@@ -308,17 +291,13 @@ class PyStoreCollectives(ControlCollectives):
         read the log once (O(N) server work). Elsewhere: one slot per rank and one
         multi_get of all slots (the fewest calls on stores without a native barrier).
         """
-        with self._lane(op) as lane:
-            if not lane.native_barrier:
-                return self._exchange_slots(op, lane, payload)
+        if not self._lanes.native_barrier:
+            return self._exchange_slots(op, payload)
         log_key = op.key(K.LOG)
         entries: dict[int, bytes] = {}
         garbage: list[str] = []
         with self._lane(op) as lane:
-            head, chunks = K.pack(K.frame_key(log_key, self._rank), payload)
-            for chunk_key, chunk in chunks:
-                lane.set(chunk_key, chunk)
-            lane.append(log_key, K.frame(self._rank, head))
+            lane.append(log_key, K.frame(self._rank, self._stage(lane, K.frame_key(log_key, self._rank), payload)))
             self._arrive(op, lane)
             log = lane.peek(log_key) or b""
             for rank, head in K.parse_frames(log):
@@ -338,28 +317,24 @@ class PyStoreCollectives(ControlCollectives):
             )
         return entries
 
-    def _put(self, lane: Lane, key: str, payload: bytes) -> None:
-        """Write a tagged value: its chunks first (if any), then the value itself."""
+    def _stage(self, lane: Lane, key: str, payload: bytes) -> bytes:
+        """Write the chunks of ``payload`` (if any) and return the tagged value to store at ``key``."""
         head, chunks = K.pack(key, payload)
         for chunk_key, chunk in chunks:
             lane.set(chunk_key, chunk)
-        lane.set(key, head)
+        return head
 
-    def _exchange_slots(self, op: _Op, lane: Lane, payload: bytes) -> dict[int, bytes]:
+    def _put(self, lane: Lane, key: str, payload: bytes) -> None:
+        """Write a tagged value: its chunks first (if any), then the value itself."""
+        lane.set(key, self._stage(lane, key, payload))
+
+    def _exchange_slots(self, op: _Op, payload: bytes) -> dict[int, bytes]:
         slots = [K.rank_slot(op.prefix, r) for r in range(self._world)]
-        self._put(lane, slots[self._rank], payload)
-        try:
-            with self._watcher.blocked(op.key(K.NAMES), op.seconds, self._wake_set(slots)):
-                heads = lane.multi_get(slots, op.left())
-        except Exception as exc:
-            raise self._failure(op, exc) from None
-        entries: dict[int, bytes] = {}
-        garbage = list(slots)
-        for rank, (slot, head) in enumerate(zip(slots, heads)):
-            entries[rank], chunks = self._untag(op, lane, slot, head)
-            garbage += chunks
-        self._exit_later(op, self._world, [K.NAMES], garbage)
-        return entries
+        with self._lane(op) as lane:
+            self._put(lane, slots[self._rank], payload)
+            values, chunks = self._read_many(op, lane, slots)
+        self._exit_later(op, self._world, [K.NAMES], slots + chunks)
+        return dict(enumerate(values))
 
     def _read(self, op: _Op, lane: Lane, key: str) -> tuple[bytes, list[str]]:
         """Blocking read of one tagged value: ``(payload, chunk keys to delete)``."""
@@ -369,6 +344,21 @@ class PyStoreCollectives(ControlCollectives):
         except Exception as exc:
             raise self._failure(op, exc) from None
         return self._untag(op, lane, key, value)
+
+    def _read_many(self, op: _Op, lane: Lane, keys: list[str]) -> tuple[list[bytes], list[str]]:
+        """Blocking read of several tagged values: ``(payloads, chunk keys to delete)``."""
+        try:
+            with self._watcher.blocked(op.key(K.NAMES), op.seconds, self._wake_set(keys)):
+                heads = lane.multi_get(keys, op.left())
+        except Exception as exc:
+            raise self._failure(op, exc) from None
+        values: list[bytes] = []
+        chunks: list[str] = []
+        for key, head in zip(keys, heads):
+            value, used = self._untag(op, lane, key, head)
+            values.append(value)
+            chunks += used
+        return values, chunks
 
     def _untag(self, op: _Op, lane: Lane, key: str, value: bytes) -> tuple[bytes, list[str]]:
         """Decode a tagged value read from ``key``: ``(payload, chunk keys)``; raise on abort."""
@@ -396,19 +386,20 @@ class PyStoreCollectives(ControlCollectives):
                 notice = lane.peek(self._watcher.abort_key)
             self._raise_abort(op, notice or self._watcher.notice or b"-1:")
 
-    def _raise_abort(self, op: _Op, notice: bytes) -> NoReturn:
+    def _aborted(self, op: _Op, notice: bytes) -> Exception:
+        """The CollectiveAbortedError for ``notice`` (``b"{rank}:{reason}"``); remembers the abort."""
         self._watcher.aborted(notice)
         rank, _, reason = notice.decode("utf-8", "replace").partition(":")
-        raise aborted_error(op.name, op.label, int(rank) if rank.lstrip("-").isdigit() else -1, reason)
+        return aborted_error(op.name, op.label, int(rank) if rank.lstrip("-").isdigit() else -1, reason)
+
+    def _raise_abort(self, op: _Op, notice: bytes) -> NoReturn:
+        raise self._aborted(op, notice)
 
     # -------------------------------------------------------------- diagnostics
     def _failure(self, op: _Op, exc: BaseException) -> Exception:
         """Turn a store exception into a one-line CollectiveTimeoutError or CollectiveError."""
         if self._watcher.notice is not None:
-            try:
-                self._raise_abort(op, self._watcher.notice)
-            except Exception as aborted:  # noqa: BLE001 - returned, not raised, by contract
-                return aborted
+            return self._aborted(op, self._watcher.notice)
         text = one_line(str(exc))
         if time.monotonic() < op.deadline - 0.01 and "timeout" not in text.lower():
             return collective_error(op.name, op.label, f"store error: {text}")
