@@ -112,6 +112,16 @@ def check_init(store: object, rank: object, world_size: object) -> tuple[int, in
     return rank_i, world_i
 
 
+def check_heartbeat(heartbeat_interval: object) -> float | None:
+    """``None`` (liveness off) or a positive interval in seconds."""
+    if heartbeat_interval is None:
+        return None
+    seconds = to_seconds(heartbeat_interval)
+    if seconds <= 0:
+        raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval!r}")
+    return seconds
+
+
 def _int(name: str, value: object) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got bool")

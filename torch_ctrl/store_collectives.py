@@ -22,6 +22,7 @@ from .base import (
     ControlCollectives,
     Data,
     Timeout,
+    check_heartbeat,
     check_init,
     check_key,
     to_bytes,
@@ -70,9 +71,7 @@ class PyStoreCollectives(ControlCollectives):
         heartbeat_interval: Timeout | None = None,
     ) -> None:
         self._rank, self._world = check_init(store, rank, world_size)
-        heartbeat = None if heartbeat_interval is None else to_seconds(heartbeat_interval)
-        if heartbeat is not None and heartbeat <= 0:
-            raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval!r}")
+        heartbeat = check_heartbeat(heartbeat_interval)
         self._store = store
         self._lanes = Lanes(store)
         self._lock = threading.Lock()
