@@ -108,6 +108,10 @@ std::string group_key(int world_size, const std::string& name) {
   return group_root(world_size) + "/_/" + name;
 }
 
+std::string abort_key(int world_size) {
+  return group_key(world_size, "abort");
+}
+
 std::string chunk_key(const std::string& key, size_t index) {
   return key + "/c" + std::to_string(index);
 }

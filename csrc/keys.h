@@ -44,6 +44,8 @@ std::string op_prefix(int world_size, const std::optional<std::string>& key, int
 std::string field(const std::string& prefix, const std::string& name);
 std::string rank_slot(const std::string& prefix, int rank);
 std::string group_key(int world_size, const std::string& name);
+// The group's abort notice "{rank}:{reason}", written once (compare_set from empty).
+std::string abort_key(int world_size);
 std::string chunk_key(const std::string& key, size_t index);
 std::string frame_key(const std::string& log_key, int rank);
 // Tagged value for `payload` at `key`, and the chunk (key, value) pairs to write first.

@@ -43,7 +43,7 @@ struct Watcher::State {
 };
 
 Watcher::Watcher(std::shared_ptr<Lanes> lanes, int rank, int world_size, std::optional<double> heartbeat)
-    : state_(std::make_shared<State>()), abort_key_(keys::group_key(world_size, "abort")) {
+    : state_(std::make_shared<State>()), abort_key_(keys::abort_key(world_size)) {
   state_->lanes = std::move(lanes);
   state_->rank = rank;
   state_->heartbeat = heartbeat;

@@ -167,3 +167,89 @@ def run_group(
             coll.close()
 
     return run_ranks(world_size, body, timeout)
+
+
+# ----------------------------------------------------------------------------- torchrun
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun", "worker.py")
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for a rendezvous endpoint two launchers share)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+class Node:
+    """One torchrun (an agent and its workers) started as a real process."""
+
+    def __init__(self, args: list[str], env: dict[str, str], launcher: list[str]) -> None:
+        import subprocess
+        import sys
+        import time
+
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, *launcher, *args],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.output = ""
+        self.returncode: int | None = None
+        self.elapsed = 0.0
+
+    def wait(self, timeout: float) -> Node:
+        import time
+
+        self.output, _ = self.proc.communicate(timeout=timeout)
+        self.returncode = self.proc.returncode
+        self.elapsed = time.monotonic() - self.start
+        return self
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+def torchrun_two_nodes(
+    mode: list[str],
+    *,
+    host_node: int = 0,
+    failing_node: int | None = None,
+    max_restarts: int = 0,
+    backend: str | None = "ctrl",
+    launcher: tuple[str, ...] = ("-m", "torch.distributed.run"),
+    timeout: float = 150.0,
+) -> list[Node]:
+    """Two torchruns (2 workers each) on 127.0.0.1 running ``worker.py *mode``; node
+    ``host_node`` hosts the rendezvous store; ``failing_node``'s local rank 1 gets
+    ``CTRL_TEST_FAIL=1``; ``backend=None`` leaves ``--rdzv-backend`` out. Node 0 starts
+    first, so it becomes node rank 0 (ranks follow pids)."""
+    port = free_port()
+    nodes: list[Node] = []
+    try:
+        for n in (0, 1):
+            args = [
+                "--nnodes=2",
+                "--nproc-per-node=2",
+                *([f"--rdzv-backend={backend}"] if backend else []),
+                f"--rdzv-endpoint={HOST}:{port}",
+                f"--rdzv-id=test{port}",
+                f"--rdzv-conf=is_host={int(n == host_node)}",
+                f"--max-restarts={max_restarts}",
+                "--monitor-interval=0.1",
+                WORKER,
+                *mode,
+            ]
+            env = {"CTRL_TEST_FAIL": str(int(n == failing_node))}
+            nodes.append(Node(args, env, list(launcher)))
+        return [node.wait(timeout) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()

@@ -14,7 +14,9 @@ from .errors import (
     KeyReusedError,
 )
 from .loader import StoreCollectives, backend, import_error
+from .naming import RankNamed
 from .store_collectives import PyStoreCollectives
+from .workers import from_env
 
 __version__ = "0.1.0"
 
@@ -25,8 +27,10 @@ __all__ = [
     "ControlCollectives",
     "KeyReusedError",
     "PyStoreCollectives",
+    "RankNamed",
     "StoreCollectives",
     "backend",
+    "from_env",
     "import_error",
     "register",
 ]

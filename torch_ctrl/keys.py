@@ -98,6 +98,17 @@ def group_key(world_size: int, name: str) -> str:
     return f"{group_root(world_size)}/_/{name}"
 
 
+def abort_key(world_size: int) -> str:
+    """The group's abort notice: ``b"{rank}:{reason}"``, written once (compare_set from empty)."""
+    return group_key(world_size, "abort")
+
+
+def parse_notice(notice: bytes) -> tuple[int, str]:
+    """``(rank, reason)`` of an abort notice; rank -1 when unreadable."""
+    rank, _, reason = notice.decode("utf-8", "replace").partition(":")
+    return (int(rank) if rank.lstrip("-").isdigit() else -1), reason
+
+
 def chunk_key(key: str, index: int) -> str:
     """Key of chunk ``index`` of the value stored at (or logged under) ``key``."""
     return f"{key}/c{index}"

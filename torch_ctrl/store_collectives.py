@@ -388,8 +388,8 @@ class PyStoreCollectives(ControlCollectives):
     def _aborted(self, op: _Op, notice: bytes) -> Exception:
         """The CollectiveAbortedError for ``notice`` (``b"{rank}:{reason}"``); remembers the abort."""
         self._watcher.aborted(notice)
-        rank, _, reason = notice.decode("utf-8", "replace").partition(":")
-        return aborted_error(op.name, op.label, int(rank) if rank.lstrip("-").isdigit() else -1, reason)
+        rank, reason = K.parse_notice(notice)
+        return aborted_error(op.name, op.label, rank, reason)
 
     def _raise_abort(self, op: _Op, notice: bytes) -> NoReturn:
         raise self._aborted(op, notice)

@@ -86,7 +86,7 @@ class Watcher:
         self._rank = rank
         self._world = world_size
         self._heartbeat = heartbeat
-        self.abort_key = K.group_key(world_size, "abort")
+        self.abort_key = K.abort_key(world_size)
         self._hb_keys = [K.group_key(world_size, f"hb/{r}") for r in range(world_size)]
         self._beats = [_Beat() for _ in range(world_size)]
         self._cv = threading.Condition()

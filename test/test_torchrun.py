@@ -1,0 +1,74 @@
+"""Real torchrun jobs on 127.0.0.1: two launchers x two workers, rendezvous backend ``ctrl``."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+from helpers import torchrun_two_nodes
+
+pytestmark = pytest.mark.timeout(240)
+
+STORE_ERROR = "connection to the C10d store has failed"
+OK = re.compile(r"WORKER OK .*restart_count=(\d+)")
+
+
+def _report(label: str, seconds: float) -> None:
+    sys.stderr.write(f"\n[{label}] {seconds:.1f}s\n")
+
+
+def test_every_collective_through_from_env() -> None:
+    nodes = torchrun_two_nodes(["collectives"])
+    for node in nodes:
+        assert node.returncode == 0, node.output
+    lines = [m for node in nodes for m in re.findall(r"WORKER OK rank=(\d) round=(\d+)", node.output)]
+    assert sorted(lines) == [("0", "0"), ("1", "0"), ("2", "0"), ("3", "0")]
+
+
+@pytest.mark.parametrize("store_on", ["healthy", "failing"])
+def test_healthy_node_leaves_exit_barrier_naming_the_failed_node(store_on: str) -> None:
+    """Node 1's local rank 1 exits 3 after 2 s; node 0's workers succeed at once, so its
+    agent is in the exit barrier when the failure happens (torch: 300 s of waiting)."""
+    nodes = torchrun_two_nodes(["fail-after", "2"], host_node=0 if store_on == "healthy" else 1, failing_node=1)
+    healthy, failing = nodes
+    _report(f"store on {store_on} node: healthy agent exited after", healthy.elapsed)
+    assert failing.returncode == 1, failing.output
+    assert healthy.returncode == 0, healthy.output  # its own workers succeeded
+    assert healthy.elapsed < 60, healthy.output
+    notice = re.search(r"torch_ctrl: (node 1 on host \S+ failed: rank 3: exit code 3)", failing.output)
+    assert notice, failing.output
+    assert notice.group(1) in healthy.output
+    assert "left the exit barrier" in healthy.output
+    assert STORE_ERROR not in healthy.output + failing.output
+
+
+def test_running_workers_are_stopped_when_another_node_fails() -> None:
+    """Node 0 hosts the store and fails at once; node 1's workers are blocked in a barrier."""
+    failing, healthy = torchrun_two_nodes(["fail-blocked"], host_node=0, failing_node=0)
+    _report("store on failing node, workers running: healthy agent exited after", healthy.elapsed)
+    assert failing.returncode == 1 and healthy.returncode == 1, healthy.output
+    assert healthy.elapsed < 60, healthy.output
+    assert re.search(r"node 0 on host \S+ failed: rank 1: exit code 3", healthy.output), healthy.output
+    assert "stopping this node's workers" in healthy.output
+    assert STORE_ERROR not in healthy.output + failing.output
+
+
+@pytest.mark.parametrize("mode", ["flaky-ctrl", "flaky-gloo"])
+def test_restart_recovers_with_one_attempt_number(mode: str, tmp_path: object) -> None:
+    """Rank 1 exits 3 on the first attempt only; with --max-restarts=1 the second attempt
+    succeeds everywhere, and every worker of it sees the same TORCHELASTIC_RESTART_COUNT."""
+    nodes = torchrun_two_nodes([mode, str(tmp_path / "failed-once")], max_restarts=1)  # type: ignore[operator]
+    for node in nodes:
+        assert node.returncode == 0, node.output
+    counts = [c for node in nodes for c in OK.findall(node.output)]
+    assert counts == ["1"] * 4, "\n".join(node.output for node in nodes)
+
+
+def test_torch_ctrl_run_defaults_to_the_ctrl_backend() -> None:
+    nodes = torchrun_two_nodes(["collectives"], launcher=("-m", "torch_ctrl.run"), backend=None)
+    for node in nodes:
+        assert node.returncode == 0, node.output
+    # TORCH_CTRL_ROUND is exported by the ctrl backend only.
+    lines = [m for node in nodes for m in re.findall(r"WORKER OK rank=\d round=(\d+)", node.output)]
+    assert lines == ["0"] * 4

@@ -1,0 +1,386 @@
+"""Elastic agent hooks: fail fast, name the failed node, and keep rounds apart.
+
+Installed by :func:`torch_ctrl.elastic.install` (the ``ctrl`` rendezvous backend and
+``python -m torch_ctrl.run`` call it). Per rendezvous round, each agent opens one
+``StoreCollectives`` over ``PrefixStore("torch_ctrl/agents", round store)`` (rank =
+node rank), with heartbeats, and uses it for:
+
+* **rank assignment** when workers are not identical: gather of each node's role and
+  worker count to node 0, scatter of the assigned ranks (round-scoped keys, deleted);
+* **the node table**: an all_gather of (host, worker count), used to name hosts in
+  errors, and exported to workers as ``TORCH_CTRL_HOSTS``;
+* **the failure notice**: an agent whose worker group failed with no restarts left
+  aborts the group with ``"node {rank} on host {host} failed: ..."`` (also the workers'
+  round namespace), then waits up to ``TORCH_CTRL_NOTICE_LINGER`` seconds (default 5)
+  for every peer to acknowledge, so a store it hosts stays up until they have read it;
+* **the exit barrier**: a collective barrier that ends at once on a notice (or when a
+  peer's heartbeat stops) and logs one line naming the failed node.
+
+While workers run, each agent checks for a notice at most every ``POLL`` seconds (one
+store read); on one it stops its workers and fails without restarting. Under the
+``ctrl`` backend, workers' ``TORCHELASTIC_RESTART_COUNT`` is the rendezvous round.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import keys as K
+from ..base import ControlCollectives
+from ..errors import CollectiveAbortedError, CollectiveTimeoutError, format_ranks
+from ..loader import StoreCollectives
+from ..workers import ENV_HOSTS, ENV_ROUND, encode_hosts, worker_namespace
+
+log = logging.getLogger("torch_ctrl.elastic")
+
+AGENT_PREFIX = "torch_ctrl/agents"
+ACKS = "notice/acks"  # add() by each agent that has read the failure notice
+POLL = 0.5  # seconds between notice checks while workers run
+MAX_HOSTS_ENV = 32 << 10  # TORCH_CTRL_HOSTS is not exported beyond this size
+
+
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+@dataclass
+class AgentGroup:
+    """One agent's collectives for one rendezvous round."""
+
+    coll: ControlCollectives
+    store: dist.Store  # PrefixStore(AGENT_PREFIX, round store), for the notice's acks
+    rank: int
+    world_size: int
+    host: str
+    nodes: list[tuple[str, int]] = field(default_factory=list)  # (host, workers) per node rank
+    worker_namespace: str | None = None
+    next_poll: float = 0.0
+    notice: tuple[int, str] | None = None  # (node rank, reason) of a peer's failure notice
+
+    def host_of(self, rank: int) -> str:
+        return self.nodes[rank][0] if 0 <= rank < len(self.nodes) else "?"
+
+    def peer_notice(self) -> tuple[int, str] | None:
+        """A failure notice from another node, if one has been posted (one store read)."""
+        value = bytes(self.store.compare_set(K.abort_key(self.world_size), K.MISSING, K.NEVER))
+        if value == K.MISSING:
+            return None
+        rank, reason = K.parse_notice(value)
+        return None if rank == self.rank else (rank, reason)
+
+    def describe(self, rank: int, reason: str) -> str:
+        """One line naming the failed node: notices already do; heartbeat losses do not."""
+        if reason.startswith("node "):
+            return reason
+        return f"node {rank} on host {self.host_of(rank)} failed: {reason}"
+
+    def acknowledge(self, rank: int, reason: str) -> str:
+        """Record a peer's notice and tell its sender it has been read; returns the log line."""
+        self.notice = (rank, reason)
+        try:
+            self.store.add(ACKS, 1)
+        except Exception as exc:  # noqa: BLE001 - the sender may be gone already
+            log.debug("torch_ctrl: could not acknowledge the failure notice: %s", exc)
+        return self.describe(rank, reason)
+
+    def linger(self, seconds: float) -> int:
+        """Wait (bounded) until every peer has acknowledged our notice; returns how many did."""
+        deadline = time.monotonic() + seconds
+        acks = 0
+        while self.world_size > 1:
+            try:
+                acks = int(self.store.add(ACKS, 0))
+            except Exception:  # noqa: BLE001 - the store's host read the notice and left
+                return self.world_size - 1
+            if acks >= self.world_size - 1 or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)  # polling a counter: nothing to wait on
+        return acks
+
+    def close(self) -> None:
+        self.coll.close(flush_timeout=1.0)
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def group_of(agent: Any) -> AgentGroup | None:
+    """The agent's group for the current round (None before the first rendezvous)."""
+    return getattr(agent, "_torch_ctrl_group", None)
+
+
+def _open(agent: Any, store: dist.Store, rank: int, world_size: int) -> AgentGroup:
+    _close(agent)
+    prefixed = dist.PrefixStore(AGENT_PREFIX, store)
+    heartbeat = _env_seconds("TORCH_CTRL_AGENT_HEARTBEAT", 5.0)
+    coll = StoreCollectives(prefixed, rank, world_size, heartbeat_interval=heartbeat if heartbeat > 0 else None)
+    group = AgentGroup(coll, prefixed, rank, world_size, socket.gethostname())
+    agent._torch_ctrl_group = group
+    return group
+
+
+def _close(agent: Any) -> None:
+    group = group_of(agent)
+    if group is not None:
+        agent._torch_ctrl_group = None
+        group.close()
+
+
+def _timeout(store: dist.Store) -> float:
+    try:
+        return float(store.timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - Python stores may not report one
+        return 300.0
+
+
+# ----------------------------------------------------------------------------- hooks
+# Each hook takes the original method as its first argument (bound by install()).
+
+
+def assign_worker_ranks(
+    original: Callable[..., Any], self: Any, store: dist.Store, group_rank: int, group_world_size: int, spec: Any
+) -> list[Any]:
+    """Open the round's group, assign ranks through gather/scatter, share the node table."""
+    group = _open(self, store, group_rank, group_world_size)
+    timeout = _timeout(store)
+    if os.environ.get("TORCH_ELASTIC_WORKER_IDENTICAL", "0") == "1":
+        workers = original(self, store, group_rank, group_world_size, spec)
+    else:
+        workers = _assign_by_collectives(group.coll, spec, timeout)
+    table = group.coll.all_gather(key="nodes", data=json.dumps([group.host, spec.local_world_size]), timeout=timeout)
+    group.nodes = [(str(h), int(n)) for h, n in (json.loads(v) for v in table)]
+    return workers
+
+
+def _assign_by_collectives(coll: ControlCollectives, spec: Any, timeout: float) -> list[Any]:
+    from torch.distributed.elastic.agent.server.api import Worker
+
+    mine = json.dumps([spec.role, spec.local_world_size])
+    if coll.rank == 0:  # type: ignore[attr-defined]
+        infos = [json.loads(v) for v in coll.gather_recv(key="role_info", data=mine, timeout=timeout)]
+        plan = [json.dumps(p) for p in plan_ranks([(str(r), int(n)) for r, n in infos])]
+        assigned = coll.scatter_send(key="ranks", data=plan, timeout=timeout)
+    else:
+        coll.gather_send(key="role_info", data=mine, timeout=timeout)
+        assigned = coll.scatter_recv(key="ranks", timeout=timeout)
+    base_global, world, base_role, role_world = json.loads(assigned)
+    return [
+        Worker(
+            local_rank=i,
+            global_rank=base_global + i,
+            role_rank=base_role + i,
+            world_size=world,
+            role_world_size=role_world,
+        )
+        for i in range(spec.local_world_size)
+    ]
+
+
+def plan_ranks(nodes: list[tuple[str, int]]) -> list[list[int]]:
+    """``[(role, workers)]`` per node rank -> ``[base global rank, world size, base role rank,
+    role world size]`` per node: ranks are handed out in node-rank order, globally and per role."""
+    world = sum(n for _, n in nodes)
+    role_world: dict[str, int] = {}
+    for role, n in nodes:
+        role_world[role] = role_world.get(role, 0) + n
+    plan, next_global, next_role = [], 0, dict.fromkeys(role_world, 0)
+    for role, n in nodes:
+        plan.append([next_global, world, next_role[role], role_world[role]])
+        next_global += n
+        next_role[role] += n
+    return plan
+
+
+def setup_local_watchdog(original: Callable[..., Any], self: Any, envs: dict[int, dict[str, str]]) -> Any:
+    """Export the round (as TORCHELASTIC_RESTART_COUNT too) and the host table to workers."""
+    group = group_of(self)
+    handler = self._worker_group.spec.rdzv_handler
+    rnd = getattr(handler, "round", None)
+    hosts = encode_hosts(group.nodes) if group is not None else ""
+    for env in envs.values():
+        if rnd is not None:
+            env[ENV_ROUND] = str(rnd)
+            env["TORCHELASTIC_RESTART_COUNT"] = str(rnd)
+        if hosts and len(hosts) <= MAX_HOSTS_ENV:
+            env[ENV_HOSTS] = hosts
+    if group is not None and envs:
+        group.worker_namespace = worker_namespace(next(iter(envs.values())))
+    return original(self, envs)
+
+
+def monitor_workers(original: Callable[..., Any], self: Any, worker_group: Any) -> Any:
+    """After torch's check, look for a peer's failure notice (throttled while healthy)."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+    result = original(self, worker_group)
+    group = group_of(self)
+    if group is None or group.notice is not None or result.state == WorkerState.SUCCEEDED:
+        return result
+    now = time.monotonic()
+    if result.state == WorkerState.HEALTHY and now < group.next_poll:
+        return result
+    group.next_poll = now + POLL
+    try:
+        notice = group.peer_notice()
+    except Exception as exc:  # noqa: BLE001 - torch's own store calls will report it
+        log.debug("torch_ctrl: notice check failed: %s", exc)
+        return result
+    if notice is None:
+        return result
+    line = group.acknowledge(*notice)
+    self._remaining_restarts = 0  # the job has failed on another node: restarting cannot help
+    log.error("[%s] torch_ctrl: %s; stopping this node's workers", worker_group.spec.role, line)
+    if result.state != WorkerState.HEALTHY:
+        return result
+    return RunResult(state=WorkerState.FAILED, failures=_stopped(worker_group, line))
+
+
+def _stopped(worker_group: Any, line: str) -> dict[int, Any]:
+    """ProcessFailure records for workers stopped because another node failed."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failures = {}
+    for worker in worker_group.workers:
+        failure = ProcessFailure(
+            local_rank=worker.local_rank, pid=worker.id or -1, exitcode=-int(signal.SIGTERM), error_file=""
+        )
+        failure.message = f"stopped by torch_ctrl: {line}"
+        failures[worker.global_rank] = failure
+    return failures
+
+
+def invoke_run(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run torch's loop; if this node's workers failed for good, tell the other nodes."""
+    try:
+        result = original(self, *args, **kwargs)
+        group = group_of(self)
+        if group is not None and result.is_failed() and group.notice is None:
+            _announce(self, group, result)
+        return result
+    finally:
+        _close(self)
+
+
+def _announce(agent: Any, group: AgentGroup, result: Any) -> None:
+    codes = ", ".join(_exit(rank, failure) for rank, failure in _root_causes_first(result.failures))
+    reason = f"node {group.rank} on host {group.host} failed: {codes or 'workers failed'} (no restarts left)"
+    log.error("[%s] torch_ctrl: %s; notifying the other nodes", agent._worker_group.spec.role, reason)
+    try:
+        group.coll.abort(reason)
+    except Exception as exc:  # noqa: BLE001 - the notice is best effort; the failure stands
+        log.warning("torch_ctrl: could not post the failure notice: %s", exc)
+        return
+    _abort_workers(agent._worker_group, group, reason)
+    linger = _env_seconds("TORCH_CTRL_NOTICE_LINGER", 5.0)
+    acks = group.linger(linger)
+    if acks < group.world_size - 1:
+        log.warning("torch_ctrl: %d of %d nodes read the failure notice within %gs", acks, group.world_size - 1, linger)
+
+
+def _root_causes_first(failures: dict[int, Any]) -> list[tuple[int, Any]]:
+    """Workers that exited on their own first, then those torch stopped with a signal."""
+    return sorted(failures.items(), key=lambda item: (item[1].exitcode < 0, item[1].timestamp, item[0]))
+
+
+def _exit(rank: int, failure: Any) -> str:
+    import signal
+
+    code = failure.exitcode
+    if code < 0:
+        try:
+            return f"rank {rank}: killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"rank {rank}: exit code {code}"
+
+
+def _abort_workers(worker_group: Any, group: AgentGroup, reason: str) -> None:
+    """Abort the workers' collectives of this round, so peers blocked in them fail at once."""
+    if group.worker_namespace is None or not worker_group.workers or not worker_group.master_addr:
+        return
+    try:
+        client = dist.TCPStore(
+            worker_group.master_addr,
+            int(worker_group.master_port),
+            is_master=False,
+            timeout=timedelta(seconds=5),
+            wait_for_workers=False,
+        )
+        first = worker_group.workers[0]
+        coll = StoreCollectives(dist.PrefixStore(group.worker_namespace, client), first.global_rank, first.world_size)
+        try:
+            coll.abort(reason)
+        finally:
+            coll.close(flush_timeout=0.5)
+    except Exception as exc:  # noqa: BLE001 - best effort
+        log.debug("torch_ctrl: could not abort the workers' collectives: %s", exc)
+
+
+def exit_barrier(original: Callable[..., Any], self: Any) -> None:
+    """torch's exit barrier, ending at once on a peer's failure notice or lost heartbeat."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    group = group_of(self)
+    if group is None:
+        return original(self)
+    role = self._worker_group.spec.role
+    log.info(
+        "[%s] Local worker group finished (%s). Waiting up to %s seconds for other agents",
+        role,
+        self._worker_group.state,
+        self._exit_barrier_timeout,
+    )
+    start = time.monotonic()
+    self._in_exit_barrier = True
+    try:
+        group.coll.barrier(key="exit", timeout=self._exit_barrier_timeout)
+        log.info("[%s] Done waiting for other agents. Elapsed: %.1f seconds", role, time.monotonic() - start)
+    except CollectiveAbortedError as exc:
+        line = group.acknowledge(exc.rank, exc.reason)
+        log.error("[%s] torch_ctrl: %s; left the exit barrier after %.1fs", role, line, time.monotonic() - start)
+    except CollectiveTimeoutError as exc:
+        where = ", ".join(f"node {r} on host {group.host_of(r)}" for r in exc.missing[:16]) or "unknown nodes"
+        log.error(
+            "[%s] torch_ctrl: exit barrier timed out after %ss: missing %s (%s)",
+            role,
+            self._exit_barrier_timeout,
+            format_ranks(exc.missing) if exc.missing else "?",
+            where,
+        )
+    except SignalException as exc:
+        log.warning("Got termination signal: %s", exc.sigval)
+        raise
+    except Exception:
+        log.exception("[%s] Error waiting on exit barrier. Elapsed: %.1f seconds", role, time.monotonic() - start)
+    finally:
+        self._in_exit_barrier = False
+    return None
+
+
+def hook_table() -> list[tuple[type, str, Callable[..., Any]]]:
+    """``(class, method name, hook)`` for every agent method the hooks wrap."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    return [
+        (SimpleElasticAgent, "_assign_worker_ranks", assign_worker_ranks),
+        (SimpleElasticAgent, "_invoke_run", invoke_run),
+        (SimpleElasticAgent, "_exit_barrier", exit_barrier),
+        (LocalElasticAgent, "_monitor_workers", monitor_workers),
+        (LocalElasticAgent, "_setup_local_watchdog", setup_local_watchdog),
+    ]

@@ -1,0 +1,175 @@
+"""Drop-in for ``torch.distributed.elastic.utils.store``, built on StoreCollectives.
+
+Same functions, signatures and return values as torch's module; what changes:
+
+* a timed-out :func:`barrier` raises ``DistStoreError`` on *every* rank, naming the
+  missing ranks (through ``rank_tracing_decoder``, e.g. as host names) without a
+  second tracing round;
+* every key written under ``key_prefix`` is deleted once all ranks are done, so a
+  prefix can be reused and the store does not grow;
+* only :func:`store_timeout` changes a store's timeout (and restores it even when
+  the block raises); the collectives pass their timeout per call.
+
+Key layout: each call runs one collective of a fresh ``StoreCollectives`` over
+``PrefixStore(key_prefix, store)``, so its keys are
+``{key_prefix}/torch_ctrl/1/w{world_size}/k{op}/...`` (see ``docs/protocol.md``).
+:func:`get_all` still reads the ``{prefix}{idx}`` keys its callers set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..base import check_init, to_bytes, to_seconds
+from ..errors import CollectiveTimeoutError
+from ..loader import StoreCollectives
+
+DistStoreError = dist.DistStoreError
+
+__all__ = ["store_timeout", "get_all", "synchronize", "barrier"]
+
+# Counter that hands out arrival indices to rank-less barrier callers.
+_ARRIVALS = "/torch_ctrl_arrivals"
+
+
+@contextmanager
+def store_timeout(store: dist.Store, timeout: float) -> Iterator[None]:
+    """Set ``store``'s timeout to ``timeout`` seconds for the block, then restore it
+    (also when the block raises)."""
+    old = store.timeout
+    store.set_timeout(timedelta(seconds=to_seconds(timeout)))
+    try:
+        yield
+    finally:
+        store.set_timeout(old)
+
+
+@contextmanager
+def _group(store: dist.Store, key_prefix: str, rank: int, world_size: int) -> Iterator[StoreCollectives]:
+    coll = StoreCollectives(dist.PrefixStore(key_prefix, store), rank, world_size)
+    try:
+        yield coll
+    finally:
+        coll.close()
+
+
+def _check(store: object, rank: object, world_size: object, key_prefix: object) -> tuple[int, int]:
+    if not isinstance(key_prefix, str):
+        raise TypeError(f"key_prefix must be a str, got {type(key_prefix).__name__}")
+    return check_init(store, rank, world_size)
+
+
+def get_all(store: dist.Store, rank: int, prefix: str, world_size: int) -> list[bytes]:
+    """Read the ``{prefix}{idx}`` keys (idx in ``range(world_size)``) that the callers set.
+
+    One ``multi_get`` (blocking up to the store's timeout); rank 0 then waits until every
+    rank has read, so a rank 0 that hosts the store leaves last. Other ranks only arrive.
+    Time: O(N) per rank. Keys: ``{prefix}/finished/torch_ctrl/...``, deleted afterwards;
+    the ``{prefix}{idx}`` keys belong to the callers and are left alone.
+    """
+    rank, world_size = _check(store, rank, world_size, prefix)
+    values = [bytes(v) for v in store.multi_get([f"{prefix}{idx}" for idx in range(world_size)])]
+    with _group(store, f"{prefix}/finished", rank, world_size) as coll:
+        coll.barrier(key="get_all", timeout=store.timeout, block=rank == 0)
+    return values
+
+
+def synchronize(
+    store: dist.Store,
+    data: bytes,
+    rank: int,
+    world_size: int,
+    key_prefix: str,
+    timeout: float = 300,
+) -> list[bytes]:
+    """Every rank's ``data``, in rank order, on every rank (an all_gather).
+
+    Time: O(1) store round trips per rank on TCPStore (one appended log), O(N) bytes read;
+    torch's version costs O(N) per rank and O(N^2) overall. Keys live under
+    ``{key_prefix}/torch_ctrl/`` and are deleted once all ranks have read them.
+    """
+    rank, world_size = _check(store, rank, world_size, key_prefix)
+    payload = to_bytes(data)
+    with _group(store, key_prefix, rank, world_size) as coll:
+        return coll.all_gather(key="synchronize", data=payload, timeout=to_seconds(timeout))
+
+
+def barrier(
+    store: dist.Store,
+    world_size: int,
+    key_prefix: str,
+    barrier_timeout: float = 300,
+    rank: int | None = None,
+    rank_tracing_decoder: Callable[[int], str] | None = None,
+    trace_timeout: float = 10,
+) -> None:
+    """Block until ``world_size`` callers have entered the barrier under ``key_prefix``.
+
+    Time: O(1) per rank. With ``rank``, a timeout names the missing ranks on every rank,
+    each passed through ``rank_tracing_decoder`` (default ``str``); ``trace_timeout`` is
+    accepted for compatibility and unused (ranks name themselves while they wait, so no
+    second tracing round is needed). Without ``rank``, callers take arrival indices from
+    a counter (one more ``add``) and a timeout reports how many arrived.
+    Keys live under ``{key_prefix}/torch_ctrl``; all are deleted after the barrier, so the
+    prefix can be used again once every rank has left.
+    """
+    if rank is None and rank_tracing_decoder is not None:
+        raise AssertionError("Tracing requires rank information")
+    seconds = to_seconds(barrier_timeout)
+    to_seconds(trace_timeout)
+    if rank is None:
+        _check(store, 0, world_size, key_prefix)
+        arrival = int(store.add(key_prefix + _ARRIVALS, 1))
+        if arrival == world_size:
+            store.delete_key(key_prefix + _ARRIVALS)  # everyone has taken an index
+        if arrival > world_size:
+            raise ValueError(f"barrier {key_prefix!r}: more than world_size={world_size} callers entered")
+        me = arrival - 1
+    else:
+        me, world_size = _check(store, rank, world_size, key_prefix)
+    try:
+        with _group(store, key_prefix, me, world_size) as coll:
+            coll.barrier(key="barrier", timeout=seconds)
+    except CollectiveTimeoutError as exc:
+        raise _barrier_timeout(exc, key_prefix, rank, rank_tracing_decoder, seconds) from None
+
+
+def _barrier_timeout(
+    exc: CollectiveTimeoutError,
+    key_prefix: str,
+    rank: int | None,
+    decoder: Callable[[int], str] | None,
+    seconds: float,
+) -> CollectiveTimeoutError:
+    """torch's message format, with the missing ranks known on every rank."""
+    if rank is None:
+        arrived = "unknown" if exc.arrived is None else exc.arrived
+        msg = (
+            f"Timed out waiting on barrier for key prefix: {key_prefix} "
+            f"(world_size={exc.world_size}, arrived={arrived}, timeout={seconds:g})"
+        )
+        missing: list[int] = []
+    else:
+        decode = decoder or str
+        missing = exc.missing
+        names = ", ".join(_decode(decode, r) for r in missing[:16])
+        if len(missing) > 16:
+            names += f", and {len(missing) - 16} more"
+        msg = (
+            f"Timed out waiting on barrier on rank {rank}, for key prefix: {key_prefix} "
+            f"(world_size={exc.world_size}, missing_ranks=[{names}], timeout={seconds:g})"
+        )
+    return CollectiveTimeoutError(
+        msg, op="barrier", key=key_prefix, arrived=exc.arrived, world_size=exc.world_size, missing=missing
+    )
+
+
+def _decode(decode: Callable[[int], str], rank: int) -> str:
+    try:
+        return str(decode(rank))
+    except Exception as exc:  # noqa: BLE001 - a failing decoder must not hide the timeout
+        return f"{rank} (decoder failed: {type(exc).__name__})"

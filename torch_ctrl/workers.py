@@ -1,0 +1,115 @@
+"""``from_env()``: collectives for the worker processes of a torchrun job.
+
+Environment read (all set by torchrun; the last two by the ``ctrl`` rendezvous backend):
+
+``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``
+    the store and this worker's place in the job;
+``TORCHELASTIC_USE_AGENT_STORE``
+    ``True`` when the agent hosts that store (else rank 0 hosts it, as ``env://`` does);
+``TORCH_CTRL_ROUND``
+    the rendezvous round, the same on every node of one round: it namespaces the keys,
+    so a restarted worker group never sees an earlier attempt's keys;
+``TORCH_CTRL_HOSTS``
+    ``host*count,host*count,...`` in global rank order: errors then name hosts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .base import ControlCollectives, Timeout, to_seconds
+from .keys import escape
+from .loader import StoreCollectives
+from .naming import RankNamed
+
+ENV_ROUND = "TORCH_CTRL_ROUND"
+ENV_HOSTS = "TORCH_CTRL_HOSTS"
+
+log = logging.getLogger("torch_ctrl")
+_warned = False
+
+
+def worker_namespace(env: Mapping[str, str]) -> str:
+    """The key prefix of one rendezvous round's worker collectives.
+
+    ``torch_ctrl/run/{run id}/round{N}`` under the ``ctrl`` backend. Without it (another
+    backend), ``.../restart{TORCHELASTIC_RESTART_COUNT}``, which can differ between nodes
+    after a restart (a warning says so once); outside torchrun, ``torch_ctrl/run/-``.
+    """
+    global _warned
+    run = "torch_ctrl/run/" + (escape(env["TORCHELASTIC_RUN_ID"]) if env.get("TORCHELASTIC_RUN_ID") else "-")
+    if env.get(ENV_ROUND):
+        return f"{run}/round{int(env[ENV_ROUND])}"
+    if "TORCHELASTIC_RESTART_COUNT" not in env:
+        return run
+    if not _warned:
+        _warned = True
+        log.warning(
+            "torch_ctrl.from_env: %s is not set, so keys are namespaced by TORCHELASTIC_RESTART_COUNT, "
+            "which differs between nodes after a restart; launch with --rdzv-backend=ctrl",
+            ENV_ROUND,
+        )
+    return f"{run}/restart{int(env['TORCHELASTIC_RESTART_COUNT'])}"
+
+
+def encode_hosts(nodes: list[tuple[str, int]]) -> str:
+    """``[(host, worker count), ...]`` in global rank order -> ``TORCH_CTRL_HOSTS``."""
+    return ",".join(f"{host}*{count}" for host, count in nodes)
+
+
+def decode_hosts(text: str) -> list[str]:
+    """``TORCH_CTRL_HOSTS`` -> the host of each global rank."""
+    hosts: list[str] = []
+    for item in filter(None, text.split(",")):
+        host, _, count = item.rpartition("*")
+        hosts.extend([host] * int(count))
+    return hosts
+
+
+def from_env(
+    *,
+    store: dist.Store | None = None,
+    timeout: Timeout = timedelta(seconds=300),
+    heartbeat_interval: Timeout | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ControlCollectives:
+    """A ``StoreCollectives`` for this worker: rank ``RANK`` of ``WORLD_SIZE``, over a TCPStore
+    client at ``MASTER_ADDR:MASTER_PORT`` (or over ``store``), namespaced by the rendezvous
+    round (:func:`worker_namespace`).
+
+    ``timeout`` bounds connecting to the store. When ``TORCH_CTRL_HOSTS`` is set, the result
+    is a :class:`~torch_ctrl.naming.RankNamed` wrapper whose errors name hosts.
+    Raises ``ValueError`` naming the variable when one is missing or malformed.
+    """
+    env = os.environ if env is None else env
+    rank, world_size = _int_env(env, "RANK"), _int_env(env, "WORLD_SIZE")
+    if store is None:
+        addr = env.get("MASTER_ADDR")
+        if not addr:
+            raise ValueError("from_env: MASTER_ADDR is not set (run under torchrun, or pass store=)")
+        agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        store = dist.TCPStore(
+            addr,
+            _int_env(env, "MASTER_PORT"),
+            world_size,
+            is_master=rank == 0 and not agent_store,
+            timeout=timedelta(seconds=to_seconds(timeout)),
+            wait_for_workers=False,
+        )
+    coll = StoreCollectives(
+        dist.PrefixStore(worker_namespace(env), store), rank, world_size, heartbeat_interval=heartbeat_interval
+    )
+    hosts = decode_hosts(env.get(ENV_HOSTS, ""))
+    return RankNamed(coll, hosts) if len(hosts) == world_size else coll
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int:
+    value = env.get(name)
+    if value is None or not value.strip().lstrip("-").isdigit():
+        raise ValueError(f"from_env: {name} must be set to an integer, got {value!r}")
+    return int(value)
