@@ -117,7 +117,7 @@ void StoreCollectives::barrier(const Key& key, double timeout, bool block) {
   if (block) {
     arrive(op, *lane);
     if (lane->native_barrier) {
-      check_counter(op, lane->peek(op.key(K::kArrive)));
+      check_counter(op, until_counted(op, *lane));
       if (rank_ == 0) {
         delete_later({op.key(K::kArrive), op.key(K::kNames)});
       }
@@ -452,6 +452,34 @@ std::pair<std::string, std::vector<std::string>> StoreCollectives::untag(
     raise_abort(op, value.substr(1));
   }
   throw CollectiveError(op.name, op.label, "unexpected value in the store (not written by torch_ctrl?)");
+}
+
+std::optional<std::string> StoreCollectives::until_counted(const Op& op, Lane& lane) {
+  // TCPStore wakes native-barrier waiters on any write to the counter, so a rank
+  // arriving with block=false (a plain add) releases them early: then poll the counter
+  // until the count is complete, the group is aborted, or the deadline passes.
+  std::string key = op.key(K::kArrive);
+  auto counter = lane.peek(key);
+  auto short_of = [this](const std::optional<std::string>& value) {
+    return value && is_digits(*value) && std::stoll(*value) < world_;
+  };
+  if (!short_of(counter)) {
+    return counter;
+  }
+  double pause = 0.001;
+  Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds);
+  while (short_of(counter)) {
+    if (auto notice = watcher_->notice()) {
+      raise_abort(op, *notice);
+    }
+    if (op.left() <= 0) {
+      failure(op, std::runtime_error("barrier timeout"));
+    }
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::min(pause, op.left())));
+    pause = std::min(pause * 2, 0.05);
+    counter = lane.peek(key);
+  }
+  return counter;
 }
 
 void StoreCollectives::check_counter(const Op& op, const std::optional<std::string>& counter) {

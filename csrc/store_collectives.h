@@ -78,6 +78,7 @@ class StoreCollectives {
       Lane& lane,
       const std::string& key,
       const std::string& value);
+  std::optional<std::string> until_counted(const Op& op, Lane& lane);
   void check_counter(const Op& op, const std::optional<std::string>& counter);
   [[noreturn]] void raise_abort(const Op& op, const std::string& notice);
 

@@ -293,6 +293,15 @@ void Watcher::run(std::shared_ptr<State> st) {
     st->busy = false;
     st->cv.notify_all();
   }
+  if (st->heartbeat) {
+    // A closed rank is not dead: drop its heartbeat (peers skip missing ones).
+    lock.unlock();
+    try {
+      lane->remove(st->hb_keys[st->rank]);
+    } catch (const std::exception&) {
+    }
+    lock.lock();
+  }
   st->running = false;
   st->cv.notify_all();
   lock.unlock();

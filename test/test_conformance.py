@@ -143,6 +143,32 @@ def test_nonblocking_barrier(impl: str, stores: Stores) -> None:
     assert run_group(impl, stores, WORLD, fn) == [True] * WORLD
 
 
+def test_nonblocking_arrival_does_not_release_waiters_early(impl: str, stores: Stores) -> None:
+    """Rank 1 arrives with block=False while ranks 0 and 2 wait, and rank 3 arrives last:
+    no waiter may leave before rank 3 has arrived (TCPStore wakes its native-barrier
+    waiters on any write to the counter). The pauses only widen that window."""
+    import threading
+    import time
+
+    arrived_last = threading.Event()
+
+    def fn(coll, rank):
+        if rank == 1:
+            time.sleep(0.2)
+            coll.barrier("early", 30, block=False)
+            return True
+        if rank == 3:
+            time.sleep(0.5)
+            arrived_last.set()
+        coll.barrier("early", 30)
+        return arrived_last.is_set()
+
+    before = stores.admin.num_keys() if stores.kind != "file" else None
+    assert run_group(impl, stores, WORLD, fn) == [True] * WORLD
+    if before is not None:
+        assert stores.admin.num_keys() == before
+
+
 class _WaitWithoutTimeout(__import__("helpers").DictStore):
     """A Python store whose wait() has no timeout parameter."""
 

@@ -105,8 +105,7 @@ class PyStoreCollectives(ControlCollectives):
             if block:
                 self._arrive(op, lane)
                 if lane.native_barrier:
-                    counter = lane.peek(op.key(K.ARRIVE))
-                    self._check_counter(op, counter)
+                    self._check_counter(op, self._until_counted(op, lane))
                     if self._rank == 0:
                         self._delete_later([op.key(K.ARRIVE), op.key(K.NAMES)])
                 else:
@@ -378,6 +377,29 @@ class PyStoreCollectives(ControlCollectives):
             lane.multi_set(keys, [K.TAG_ABORT + notice] * len(keys))
 
         return wake
+
+    def _until_counted(self, op: _Op, lane: Lane) -> bytes | None:
+        """The barrier counter once every rank has arrived (or an abort raised it).
+
+        TCPStore wakes native-barrier waiters on any write to the counter, so a rank
+        arriving with ``block=False`` (a plain ``add``) releases them early: then poll the
+        counter until the count is complete, the group is aborted, or the deadline passes.
+        """
+        key = op.key(K.ARRIVE)
+        counter = lane.peek(key)
+        if counter is None or int(counter) >= self._world:
+            return counter
+        pause = 0.001
+        with self._watcher.blocked(op.key(K.NAMES), op.seconds):
+            while counter is not None and int(counter) < self._world:
+                if self._watcher.notice is not None:
+                    self._raise_abort(op, self._watcher.notice)
+                if op.left() <= 0:
+                    raise self._failure(op, TimeoutError("barrier timeout"))
+                time.sleep(min(pause, op.left()))
+                pause = min(pause * 2, 0.05)
+                counter = lane.peek(key)
+        return counter
 
     def _check_counter(self, op: _Op, counter: bytes | None) -> None:
         if counter is not None and counter.lstrip(b"-").isdigit() and int(counter) >= K.ABORT_BIAS:

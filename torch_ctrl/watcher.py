@@ -237,7 +237,10 @@ class Watcher:
                 self._busy = False
                 self._cv.notify_all()
                 if self._closed and not self._tasks and not self._blocked:
-                    return
+                    break
+        if self._heartbeat is not None:
+            # A closed rank is not dead: drop its heartbeat (peers skip missing ones).
+            self._safely(lambda ln: ln.delete(self._hb_keys[self._rank]), lane)
 
     def _poll(self, lane: Lane) -> None:
         """One abort check (and, with liveness, one heartbeat read) for blocked callers."""

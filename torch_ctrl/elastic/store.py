@@ -10,10 +10,12 @@ Same functions, signatures and return values as torch's module; what changes:
 * only :func:`store_timeout` changes a store's timeout (and restores it even when
   the block raises); the collectives pass their timeout per call.
 
-Key layout: each call runs one collective of a fresh ``StoreCollectives`` over
-``PrefixStore(key_prefix, store)``, so its keys are
-``{key_prefix}/torch_ctrl/1/w{world_size}/k{op}/...`` (see ``docs/protocol.md``).
-:func:`get_all` still reads the ``{prefix}{idx}`` keys its callers set.
+Key layout: each call runs one collective of a fresh ``StoreCollectives`` on ``store``
+itself, keyed ``{key_prefix}/{op}``, so its keys are
+``torch_ctrl/1/w{world_size}/k{escaped key_prefix/op}/...`` (see ``docs/protocol.md``);
+no PrefixStore is involved, so Python-written stores (which torch's PrefixStore cannot
+delete keys from) are cleaned up too. :func:`get_all` still reads the ``{prefix}{idx}``
+keys its callers set.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ def store_timeout(store: dist.Store, timeout: float) -> Iterator[None]:
 
 
 @contextmanager
-def _group(store: dist.Store, key_prefix: str, rank: int, world_size: int) -> Iterator[StoreCollectives]:
-    coll = StoreCollectives(dist.PrefixStore(key_prefix, store), rank, world_size)
+def _group(store: dist.Store, rank: int, world_size: int) -> Iterator[StoreCollectives]:
+    coll = StoreCollectives(store, rank, world_size)
     try:
         yield coll
     finally:
@@ -68,13 +70,13 @@ def get_all(store: dist.Store, rank: int, prefix: str, world_size: int) -> list[
 
     One ``multi_get`` (blocking up to the store's timeout); rank 0 then waits until every
     rank has read, so a rank 0 that hosts the store leaves last. Other ranks only arrive.
-    Time: O(N) per rank. Keys: ``{prefix}/finished/torch_ctrl/...``, deleted afterwards;
+    Time: O(N) per rank. Keys: those of a barrier keyed ``{prefix}/finished``, deleted afterwards;
     the ``{prefix}{idx}`` keys belong to the callers and are left alone.
     """
     rank, world_size = _check(store, rank, world_size, prefix)
     values = [bytes(v) for v in store.multi_get([f"{prefix}{idx}" for idx in range(world_size)])]
-    with _group(store, f"{prefix}/finished", rank, world_size) as coll:
-        coll.barrier(key="get_all", timeout=store.timeout, block=rank == 0)
+    with _group(store, rank, world_size) as coll:
+        coll.barrier(key=f"{prefix}/finished", timeout=store.timeout, block=rank == 0)
     return values
 
 
@@ -89,13 +91,13 @@ def synchronize(
     """Every rank's ``data``, in rank order, on every rank (an all_gather).
 
     Time: O(1) store round trips per rank on TCPStore (one appended log), O(N) bytes read;
-    torch's version costs O(N) per rank and O(N^2) overall. Keys live under
-    ``{key_prefix}/torch_ctrl/`` and are deleted once all ranks have read them.
+    torch's version costs O(N) per rank and O(N^2) overall. Keys are those of an all_gather
+    keyed ``{key_prefix}/synchronize``, deleted once all ranks have read them.
     """
     rank, world_size = _check(store, rank, world_size, key_prefix)
     payload = to_bytes(data)
-    with _group(store, key_prefix, rank, world_size) as coll:
-        return coll.all_gather(key="synchronize", data=payload, timeout=to_seconds(timeout))
+    with _group(store, rank, world_size) as coll:
+        return coll.all_gather(key=f"{key_prefix}/synchronize", data=payload, timeout=to_seconds(timeout))
 
 
 def barrier(
@@ -114,8 +116,9 @@ def barrier(
     accepted for compatibility and unused (ranks name themselves while they wait, so no
     second tracing round is needed). Without ``rank``, callers take arrival indices from
     a counter (one more ``add``) and a timeout reports how many arrived.
-    Keys live under ``{key_prefix}/torch_ctrl``; all are deleted after the barrier, so the
-    prefix can be used again once every rank has left.
+    Keys are those of a barrier keyed ``{key_prefix}/barrier`` (and, without ``rank``, the
+    counter ``{key_prefix}/torch_ctrl_arrivals``); all are deleted after the barrier, so
+    the prefix can be used again once every rank has left.
     """
     if rank is None and rank_tracing_decoder is not None:
         raise AssertionError("Tracing requires rank information")
@@ -132,8 +135,8 @@ def barrier(
     else:
         me, world_size = _check(store, rank, world_size, key_prefix)
     try:
-        with _group(store, key_prefix, me, world_size) as coll:
-            coll.barrier(key="barrier", timeout=seconds)
+        with _group(store, me, world_size) as coll:
+            coll.barrier(key=f"{key_prefix}/barrier", timeout=seconds)
     except CollectiveTimeoutError as exc:
         raise _barrier_timeout(exc, key_prefix, rank, rank_tracing_decoder, seconds) from None
 

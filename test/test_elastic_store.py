@@ -1,0 +1,252 @@
+"""torch_ctrl.elastic.store against torch's utils/store.py contract, and install()/uninstall().
+
+The first tests are torch's own behavioural tests of ``utils/store.py`` (HashStore and
+threads), run against the adapter; torch's MockStore tests pin torch's internal key
+protocol, which the adapter deliberately replaces, so they are not ported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from datetime import timedelta
+from multiprocessing.pool import ThreadPool
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+from helpers import Stores, make, run_ranks
+
+import torch_ctrl.elastic as elastic
+from torch_ctrl.elastic import agent
+from torch_ctrl.elastic import store as store_util
+
+ADAPTER_KINDS = ["tcp", "file", "hash", "prefix", "python"]
+
+
+def _keys(stores: Stores) -> int:
+    """Keys in the store. A FileStore writes a bookkeeping key the first time one of its
+    handles closes: close one first, so that key is in every count."""
+    if stores.kind == "file":
+        dist.FileStore(stores.path, -1)
+    return stores.admin.num_keys()
+
+
+@pytest.fixture(autouse=True)
+def implementation(impl: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run every test with the C++, Python and mixed implementations under the adapter."""
+    monkeypatch.setattr(store_util, "StoreCollectives", lambda s, r, w: make(impl, s, r, w))
+    return impl
+
+
+# ------------------------------------------------------------------ torch's tests, ported
+def test_synchronize_hash_store() -> None:
+    n = 4
+    store = dist.HashStore()
+
+    def f(i: int) -> list[bytes]:
+        return store_util.synchronize(store, f"data{i}", i, n, key_prefix="test/store")
+
+    with ThreadPool(n) as pool:
+        out = pool.map(f, range(n))
+    assert out == [[f"data{i}".encode() for i in range(n)]] * n
+
+
+def test_barrier_hash_store() -> None:
+    n = 4
+    store = dist.HashStore()
+    with ThreadPool(n) as pool:
+        out = pool.map(lambda i: store_util.barrier(store, n, key_prefix="test/store"), range(n))
+    assert out == [None] * n
+
+
+def test_barrier_timeout_rank_tracing() -> None:
+    """torch: only rank 0 names the missing ranks. Here every rank does."""
+    n = 3
+    store = dist.HashStore()
+
+    def run_barrier_for_rank(i: int) -> str:
+        try:
+            store_util.barrier(
+                store,
+                n,
+                key_prefix="test/store",
+                barrier_timeout=0.5,
+                rank=i,
+                rank_tracing_decoder=lambda x: f"Rank {x} host",
+                trace_timeout=0.01,
+            )
+        except dist.DistStoreError as e:
+            return str(e)
+        return ""
+
+    with ThreadPool(n - 1) as pool:
+        outputs = pool.map(run_barrier_for_rank, range(n - 1))
+    for rank, msg in enumerate(outputs):
+        assert msg.startswith(f"Timed out waiting on barrier on rank {rank}, for key prefix: test/store"), msg
+        assert "missing_ranks=[Rank 2 host]" in msg, msg
+
+
+def test_tracing_requires_rank() -> None:
+    store = dist.HashStore()
+    with pytest.raises(AssertionError, match="Tracing requires rank information"):
+        store_util.barrier(store, 2, key_prefix="x", rank_tracing_decoder=str)
+    assert store.num_keys() == 0
+
+
+# ------------------------------------------------------------------ on every store kind
+@pytest.mark.parametrize("kind", ADAPTER_KINDS)
+def test_synchronize_is_an_all_gather_and_leaves_no_keys(kind: str) -> None:
+    stores, n = Stores(kind), 5
+    before = _keys(stores)
+    out = run_ranks(n, lambda r: store_util.synchronize(stores.client(r), b"d%d" % r, r, n, key_prefix="sync/"))
+    assert out == [[b"d%d" % r for r in range(n)]] * n
+    assert _keys(stores) == before
+
+
+@pytest.mark.parametrize("kind", ADAPTER_KINDS)
+def test_barrier_can_reuse_its_prefix(kind: str) -> None:
+    stores, n = Stores(kind), 4
+    before = _keys(stores)
+    for rank_given in (True, False, True):
+        run_ranks(n, lambda r, g=rank_given: store_util.barrier(stores.client(r), n, "b", rank=r if g else None))
+    assert _keys(stores) == before
+
+
+@pytest.mark.parametrize("kind", ADAPTER_KINDS)
+def test_get_all_reads_the_callers_keys(kind: str) -> None:
+    stores, n = Stores(kind), 3
+    for r in range(n):
+        stores.admin.set(f"data/{r}", f"v{r}")
+    before = _keys(stores)
+    out = run_ranks(n, lambda r: store_util.get_all(stores.client(r), r, "data/", n))
+    assert out == [[b"v0", b"v1", b"v2"]] * n
+    assert _keys(stores) == before  # the callers' keys stay, ours are gone
+    assert stores.admin.get("data/1") == b"v1"
+
+
+def test_timeout_names_missing_ranks_on_every_rank_through_the_decoder() -> None:
+    stores, n = Stores("tcp"), 4
+    hosts = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-c"}
+
+    def body(r: int) -> str:
+        with pytest.raises(dist.DistStoreError) as info:
+            store_util.barrier(stores.client(r), n, "tb", 1.0, rank=r, rank_tracing_decoder=hosts.__getitem__)
+        return str(info.value)
+
+    msgs = run_ranks(2, body)
+    for r, msg in enumerate(msgs):
+        assert f"on rank {r}," in msg and "missing_ranks=[node-b, node-c]" in msg, msg
+        assert "\n" not in msg
+
+
+def test_rankless_timeout_reports_arrivals() -> None:
+    stores = Stores("tcp")
+    with pytest.raises(dist.DistStoreError, match=r"key prefix: lone \(world_size=3, arrived=1"):
+        store_util.barrier(stores.client(0), 3, "lone", barrier_timeout=0.3)
+
+
+def test_only_store_timeout_touches_the_store_timeout() -> None:
+    stores, n = Stores("tcp"), 2
+    clients = [stores.client(r) for r in range(n)]
+    for c in clients:
+        c.set_timeout(timedelta(seconds=123))
+    run_ranks(n, lambda r: store_util.barrier(clients[r], n, "t1", barrier_timeout=7, rank=r))
+    run_ranks(n, lambda r: store_util.synchronize(clients[r], b"x", r, n, "t2", timeout=9))
+    assert all(c.timeout == timedelta(seconds=123) for c in clients)
+    with pytest.raises(KeyError), store_util.store_timeout(clients[0], 5):
+        assert clients[0].timeout == timedelta(seconds=5)
+        raise KeyError("restored even when the block raises")
+    assert clients[0].timeout == timedelta(seconds=123)
+
+
+def test_bad_input_fails_before_any_store_write() -> None:
+    store = dist.HashStore()
+    with pytest.raises(ValueError):
+        store_util.synchronize(store, b"x", 3, 2, "p")
+    with pytest.raises(TypeError):
+        store_util.synchronize(store, 5, 0, 2, "p")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        store_util.barrier(store, 2, key_prefix=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        store_util.barrier(store, 0, "p")
+    assert store.num_keys() == 0
+
+
+# ------------------------------------------------------------------ rank assignment
+def test_rank_assignment_matches_torch_with_mixed_roles() -> None:
+    """The gather/scatter assignment gives what torch's set/multi_get/multi_set gives."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    specs = [("trainer", 2), ("reader", 1), ("trainer", 3), ("reader", 2)]
+    n = len(specs)
+    ours_stores, torch_stores = Stores("tcp"), Stores("tcp")
+    before = ours_stores.admin.num_keys()
+    original = SimpleElasticAgent._assign_worker_ranks
+
+    def ours(r: int) -> list[tuple[int, ...]]:
+        spec = SimpleNamespace(role=specs[r][0], local_world_size=specs[r][1])
+        me = SimpleNamespace()
+        try:
+            workers = agent.assign_worker_ranks(original, me, ours_stores.client(r), r, n, spec)
+            assert agent.group_of(me).nodes == [(agent.group_of(me).host, c) for _, c in specs]
+        finally:
+            agent._close(me)
+        return [(w.local_rank, w.global_rank, w.role_rank, w.world_size, w.role_world_size) for w in workers]
+
+    def theirs(r: int) -> list[tuple[int, ...]]:
+        spec = SimpleNamespace(role=specs[r][0], local_world_size=specs[r][1])
+        workers = original(SimpleNamespace(), torch_stores.client(r), r, n, spec)
+        return [(w.local_rank, w.global_rank, w.role_rank, w.world_size, w.role_world_size) for w in workers]
+
+    assert run_ranks(n, ours) == run_ranks(n, theirs)
+    assert ours_stores.admin.num_keys() == before  # round-scoped keys deleted, no torchelastic/ keys
+
+
+def test_plan_ranks() -> None:
+    assert agent.plan_ranks([("a", 2), ("b", 1), ("a", 1)]) == [[0, 4, 0, 3], [2, 4, 0, 1], [3, 4, 2, 3]]
+
+
+# ------------------------------------------------------------------ install / uninstall
+def _torch_targets() -> dict[str, object]:
+    torch_store = importlib.import_module("torch.distributed.elastic.utils.store")
+    distributed = importlib.import_module("torch.distributed.elastic.utils.distributed")
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    found: dict[str, object] = {f"store.{n}": getattr(torch_store, n) for n in store_util.__all__}
+    found["distributed.barrier"] = distributed.barrier
+    for cls, name, _ in agent.hook_table():
+        found[f"{cls.__name__}.{name}"] = vars(cls)[name]
+    assert SimpleElasticAgent and LocalElasticAgent
+    return found
+
+
+def test_install_replaces_everywhere_and_uninstall_restores_exactly() -> None:
+    assert not elastic.is_installed()
+    originals = _torch_targets()
+    elastic.install()
+    elastic.install()  # idempotent
+    try:
+        now = _torch_targets()
+        assert now["store.barrier"] is store_util.barrier
+        assert now["distributed.barrier"] is store_util.barrier  # a name imported directly
+        barriers = importlib.import_module("torch.distributed.checkpoint._experimental.barriers")
+        assert barriers.store_util.barrier is store_util.barrier
+        assert all(now[k] is not originals[k] for k in originals)
+    finally:
+        elastic.uninstall()
+    elastic.uninstall()  # idempotent
+    assert not elastic.is_installed()
+    assert _torch_targets() == originals
+    assert all(_torch_targets()[k] is originals[k] for k in originals)
+
+
+def test_installed_context_manager_and_torch_callers_get_the_adapter() -> None:
+    originals = _torch_targets()
+    torch_store = importlib.import_module("torch.distributed.elastic.utils.store")
+    with elastic.installed():
+        store = dist.HashStore()
+        with pytest.raises(dist.DistStoreError, match=r"on rank 1, .*missing_ranks=\[0, 2\]"):
+            # called through torch's module: rank 1 learns who is missing (torch: only rank 0)
+            torch_store.barrier(store, 3, "ctx", barrier_timeout=0.3, rank=1)
+    assert _torch_targets() == originals
