@@ -16,7 +16,10 @@ def test_demo_runs_and_checks_results() -> None:
         [sys.executable, "-m", "torch_ctrl", "demo", "--rounds", "2"], capture_output=True, text=True, timeout=170
     )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "torch_ctrl.run --standalone" in out.stdout  # a real torchrun job, ctrl backend
     assert "all results correct" in out.stdout
+    assert "keys the demo left in the store: 0" in out.stdout
+    assert "torchrun exited 0" in out.stdout
     for op in ("barrier", "broadcast_recv", "gather_recv", "scatter_recv", "all_gather", "all_sum"):
         assert op in out.stdout
 

@@ -1,19 +1,23 @@
-"""``python -m torch_ctrl demo``: run every collective across local processes, check it, time it.
+"""``python -m torch_ctrl demo``: a real torchrun job on 127.0.0.1 that runs every collective,
+checks it and times it.
 
-The parent hosts a ``TCPStore``; ``--world-size`` spawned ranks connect to it, run the nine
-collectives ``--rounds`` times per implementation (plus one mixed C++/Python round), check
-the results and send their latencies back. The parent prints a summary and the number of
-keys left in the store once every rank has closed its instances.
+The command launches ``python -m torch_ctrl.run --standalone`` (torchrun with the ``ctrl``
+rendezvous backend; the agent hosts the TCPStore) with ``--world-size`` workers. Each worker
+takes ``torch_ctrl.from_env()`` and runs the nine collectives ``--rounds`` times per
+implementation (plus one mixed C++/Python round) on the same store, checking results.
+Rank 0 gathers everyone's latencies with a ``gather`` and prints the table, then the number
+of the demo's keys left in the store once every rank has closed its instances.
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import queue
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
-from datetime import timedelta
 from typing import Any, Callable
 
 OPS = (
@@ -28,7 +32,7 @@ OPS = (
     "all_sum",
 )
 TIMEOUT = 30.0  # seconds, for every collective
-RESULT_WAIT = 120.0  # seconds the parent waits for all ranks
+JOB_WAIT = 300.0  # seconds the command waits for the torchrun job
 
 
 def _make(impl: str, store: Any, rank: int, world: int) -> Any:
@@ -71,33 +75,42 @@ def _round(coll: Any, prefix: str, rank: int, world: int, lat: dict[str, list[fl
     assert total == world * (world + 1) // 2, f"all_sum returned {total}"
 
 
-def _worker(rank: int, world: int, port: int, impls: list[str], rounds: int, mixed: bool, out: Any) -> None:
-    """One rank: run every implementation's rounds, then the mixed round; report to ``out``."""
+def _worker(impls: list[str], rounds: int) -> int:
+    """One torchrun worker: every implementation's rounds, then the mixed round; rank 0 reports."""
+    import torch.distributed as dist
+
+    import torch_ctrl
+
+    from .workers import worker_namespace
+
+    ctrl = torch_ctrl.from_env(timeout=TIMEOUT)
+    rank, world = ctrl.rank, ctrl.world_size  # type: ignore[attr-defined]
+    store = dist.PrefixStore(
+        worker_namespace(os.environ) + "/demo",
+        dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
+        ),
+    )
+    mixed = len(impls) == 2 and world > 1
     lat: dict[str, dict[str, list[float]]] = {}
     errors: dict[str, str] = {}
-    instances: list[Any] = []
-    plan = [(impl, rounds) for impl in impls] + ([("mixed", 1)] if mixed else [])
-    try:
-        import torch.distributed as dist
-
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=TIMEOUT))
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        out.put({"rank": rank, "lat": lat, "errors": {name: f"rank {rank}: store: {exc}" for name, _ in plan}})
-        return
-    for name, count in plan:
+    for name, count in [(impl, rounds) for impl in impls] + ([("mixed", 1)] if mixed else []):
         lat[name] = {op: [] for op in OPS}
+        impl = name if name != "mixed" else ("cpp" if rank % 2 == 0 else "python")
         try:
-            impl = name if name != "mixed" else ("cpp" if rank % 2 == 0 else "python")
-            coll = _make(impl, store, rank, world)
-            instances.append(coll)
-            coll.barrier(f"demo/{name}/warmup", TIMEOUT)  # untimed: absorbs the ranks' start-up skew
-            for r in range(count):
-                _round(coll, f"demo/{name}/{r}", rank, world, lat[name])
-        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            with _make(impl, store, rank, world) as coll:
+                coll.barrier(f"{name}/warmup", TIMEOUT)  # untimed: absorbs the ranks' start-up skew
+                for r in range(count):
+                    _round(coll, f"{name}/{r}", rank, world, lat[name])
+        except Exception as exc:  # noqa: BLE001 - reported by rank 0
             errors[name] = f"rank {rank}: {type(exc).__name__}: {exc}"
-    for coll in instances:
-        coll.close()
-    out.put({"rank": rank, "lat": lat, "errors": errors})
+    mine = json.dumps({"rank": rank, "lat": lat, "errors": errors})
+    with ctrl:
+        if rank != 0:
+            ctrl.gather_send("demo/report", mine, TIMEOUT)
+            return 0
+        reports = [json.loads(r) for r in ctrl.gather_recv("demo/report", mine, TIMEOUT)]
+    return _print(reports, impls + (["mixed"] if mixed else []), store)
 
 
 def _stats(samples: list[float]) -> str:
@@ -107,72 +120,14 @@ def _stats(samples: list[float]) -> str:
     return f"{statistics.median(samples) * 1e6:10.0f} {max(samples) * 1e6:10.0f}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the demo; 0 when every collective returned the right result, else 1."""
-    parser = argparse.ArgumentParser(
-        prog="python -m torch_ctrl demo", description="Run every collective across local processes, check it, time it."
-    )
-    parser.add_argument("--world-size", type=int, default=4, help="number of rank processes (default 4)")
-    parser.add_argument("--rounds", type=int, default=20, help="rounds per implementation (default 20)")
-    parser.add_argument(
-        "--impl", choices=("both", "cpp", "python"), default="both", help="implementation(s) to run (default both)"
-    )
-    args = parser.parse_args(argv)
-    if args.world_size < 1 or args.rounds < 1:
-        parser.error("--world-size and --rounds must be >= 1")
-
-    import torch.distributed as dist
-
-    import torch_ctrl
-
-    impls = ["cpp", "python"] if args.impl == "both" else [args.impl]
-    if "cpp" in impls:
-        try:
-            from . import cpp  # noqa: F401
-        except Exception as exc:  # noqa: BLE001
-            print(f"note: C++ extension unavailable ({type(exc).__name__}: {exc}); skipping the C++ runs")
-            impls.remove("cpp")
-    if not impls:
-        return 1
-    mixed = len(impls) == 2 and args.world_size > 1
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    print(
-        f"torch_ctrl {torch_ctrl.__version__}: backend={torch_ctrl.backend()} world_size={args.world_size} "
-        f"rounds={args.rounds} impls={','.join(impls)} store=127.0.0.1:{store.port}"
-    )
-
-    ctx = mp.get_context("spawn")
-    results: Any = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, args.world_size, store.port, impls, args.rounds, mixed, results))
-        for r in range(args.world_size)
-    ]
-    start = time.monotonic()
-    for p in procs:
-        p.start()
-    reports: list[dict[str, Any]] = []
-    deadline = start + RESULT_WAIT
-    while len(reports) < len(procs) and time.monotonic() < deadline:
-        try:
-            reports.append(results.get(timeout=0.5))
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs) and results.empty():
-                break  # a rank died without reporting
-    for p in procs:
-        p.join(timeout=max(1.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
-    ok = len(reports) == len(procs)
-    if not ok:
-        missing = sorted(set(range(args.world_size)) - {rep["rank"] for rep in reports})
-        print(f"FAILED: no result from rank(s) {missing} (crashed, or stuck for {RESULT_WAIT:.0f} s)")
-
+def _print(reports: list[dict[str, Any]], names: list[str], store: Any) -> int:
+    """Rank 0's table; 0 when every collective returned the right result."""
+    ok = True
     print(f"\n{'impl':<8} {'op':<16} {'n':>5} {'median_us':>10} {'max_us':>10}  result")
-    for name in impls + (["mixed"] if mixed else []):
+    for name in names:
         errors = [rep["errors"][name] for rep in reports if name in rep["errors"]]
         ok = ok and not errors
-        status = "ok" if not errors and len(reports) == len(procs) else "FAILED"
+        status = "ok" if not errors else "FAILED"
         lats = [rep["lat"].get(name, {}) for rep in reports]
         rows = {"all 9 ops": OPS} if name == "mixed" else {op: (op,) for op in OPS}
         note = "  (even ranks C++, odd ranks Python)" if name == "mixed" else ""
@@ -181,8 +136,66 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<8} {label:<16} {len(samples):>5} {_stats(samples)}  {status}{note}")
         for err in errors:
             print(f"  {err}")
-
-    time.sleep(0.5)  # let the last background deletions land
-    print(f"\nkeys left in the store: {store.num_keys()}   (elapsed {time.monotonic() - start:.1f} s)")
-    print("all results correct" if ok else "FAILED: some collectives raised or returned wrong results")
+    # Every rank closed its instances (flushing their cleanup) before the report gather.
+    print(f"\nkeys the demo left in the store: {store.num_keys()}")
+    print("all results correct" if ok else "FAILED: some collectives raised or returned wrong results", flush=True)
     return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo job; 0 when every collective returned the right result, else 1."""
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_ctrl demo",
+        description="A torchrun job on 127.0.0.1 that runs every collective, checks it and times it.",
+    )
+    parser.add_argument("--world-size", type=int, default=4, help="number of worker processes (default 4)")
+    parser.add_argument("--rounds", type=int, default=20, help="rounds per implementation (default 20)")
+    parser.add_argument(
+        "--impl", choices=("both", "cpp", "python"), default="both", help="implementation(s) to run (default both)"
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.world_size < 1 or args.rounds < 1:
+        parser.error("--world-size and --rounds must be >= 1")
+
+    import torch_ctrl
+
+    impls = ["cpp", "python"] if args.impl == "both" else [args.impl]
+    if "cpp" in impls and torch_ctrl.import_error() is not None:
+        print(f"note: C++ extension unavailable ({torch_ctrl.import_error()}); skipping the C++ runs")
+        impls.remove("cpp")
+    if not impls:
+        return 1
+    if args.worker:
+        return _worker(impls, args.rounds)
+    print(
+        f"torch_ctrl {torch_ctrl.__version__}: backend={torch_ctrl.backend()} world_size={args.world_size} "
+        f"rounds={args.rounds} impls={','.join(impls)}: torchrun --rdzv-backend=ctrl on 127.0.0.1",
+        flush=True,
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch_ctrl.run",
+        "--standalone",
+        f"--nproc-per-node={args.world_size}",
+        "--monitor-interval=0.1",
+        "-m",
+        "torch_ctrl.demo",
+        "--worker",
+        f"--rounds={args.rounds}",
+        f"--impl={'both' if len(impls) == 2 else impls[0]}",
+    ]
+    print("$ " + " ".join(cmd[1:]), flush=True)
+    start = time.monotonic()
+    try:
+        code = subprocess.run(cmd, timeout=JOB_WAIT).returncode
+    except subprocess.TimeoutExpired:
+        print(f"FAILED: the torchrun job did not finish within {JOB_WAIT:.0f} s")
+        return 1
+    print(f"torchrun exited {code} after {time.monotonic() - start:.1f} s")
+    return 0 if code == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""torch_ctrl.from_env() (worker processes of a torchrun job) and host-naming errors."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch.distributed as dist
+from helpers import HOST, Stores, run_ranks
+
+import torch_ctrl
+from torch_ctrl import workers
+
+
+def _env(stores: Stores, rank: int, world: int, **extra: str) -> dict[str, str]:
+    return {
+        "MASTER_ADDR": HOST,
+        "MASTER_PORT": str(stores.port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # the test's server plays the agent's store
+        "TORCHELASTIC_RUN_ID": "job 7",
+        **extra,
+    }
+
+
+def test_from_env_runs_collectives_in_the_rounds_namespace() -> None:
+    stores, n = Stores("tcp"), 3
+
+    def body(r: int) -> list[bytes]:
+        with torch_ctrl.from_env(env=_env(stores, r, n, TORCH_CTRL_ROUND="2")) as coll:
+            assert (coll.rank, coll.world_size) == (r, n)
+            return coll.all_gather("k", b"%d" % r, 30)
+
+    assert run_ranks(n, body) == [[b"0", b"1", b"2"]] * n
+
+    # the same key in the next round is a fresh collective: rounds never mix
+    def next_round(r: int) -> int:
+        with torch_ctrl.from_env(env=_env(stores, r, n, TORCH_CTRL_ROUND="3")) as coll:
+            return coll.all_sum("k", r, 30)
+
+    assert run_ranks(n, next_round) == [3] * n
+
+
+def test_namespace_is_the_round_not_the_restart_count(caplog: pytest.LogCaptureFixture) -> None:
+    env = {"TORCHELASTIC_RUN_ID": "job/7", "TORCH_CTRL_ROUND": "4", "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert workers.worker_namespace(env) == "torch_ctrl/run/job%2F7/round4"
+    assert workers.worker_namespace({}) == "torch_ctrl/run/-"
+    workers._warned = False
+    with caplog.at_level(logging.WARNING, logger="torch_ctrl"):
+        assert workers.worker_namespace({"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_RESTART_COUNT": "1"}).endswith(
+            "/restart1"
+        )
+    assert "--rdzv-backend=ctrl" in caplog.text
+
+
+@pytest.mark.parametrize("missing", ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"])
+def test_from_env_names_a_missing_variable(missing: str) -> None:
+    env = {"MASTER_ADDR": HOST, "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "2"}
+    del env[missing]
+    with pytest.raises(ValueError, match=missing):
+        torch_ctrl.from_env(env=env)
+
+
+def test_hosts_round_trip() -> None:
+    text = workers.encode_hosts([("node-a", 2), ("node-b", 1)])
+    assert text == "node-a*2,node-b*1"
+    assert workers.decode_hosts(text) == ["node-a", "node-a", "node-b"]
+
+
+def test_errors_name_hosts() -> None:
+    stores, n = Stores("tcp"), 3
+    hosts = workers.encode_hosts([("node-a", 2), ("node-b", 1)])
+
+    def late(r: int) -> str:
+        coll = torch_ctrl.from_env(env=_env(stores, r, n, TORCH_CTRL_ROUND="0", TORCH_CTRL_HOSTS=hosts))
+        assert isinstance(coll, torch_ctrl.RankNamed)
+        with pytest.raises(torch_ctrl.CollectiveTimeoutError) as info:
+            coll.barrier("b", 0.5)
+        coll.close()
+        assert info.value.missing == [2]
+        return str(info.value)
+
+    for msg in run_ranks(2, late):
+        assert "missing ranks: [2]" in msg and "2: node-b" in msg, msg
+
+    def aborted(r: int) -> str:
+        coll = torch_ctrl.from_env(env=_env(stores, r, n, TORCH_CTRL_ROUND="1", TORCH_CTRL_HOSTS=hosts))
+        with coll:
+            if r == 2:
+                coll.abort("disk full")
+                return ""
+            with pytest.raises(torch_ctrl.CollectiveAbortedError) as info:
+                coll.barrier("b", 30)
+            assert info.value.rank == 2 and info.value.reason == "disk full"
+            return str(info.value)
+
+    msgs = run_ranks(n, aborted)
+    assert all("rank 2 runs on node-b" in m for m in msgs[:2]), msgs
+
+
+def test_rank_named_wraps_any_collectives() -> None:
+    store = dist.HashStore()
+    coll = torch_ctrl.RankNamed(torch_ctrl.StoreCollectives(store, 0, 2), lambda r: f"pod-{r}")
+    assert isinstance(coll, torch_ctrl.ControlCollectives)
+    with pytest.raises(torch_ctrl.CollectiveTimeoutError, match=r"1: pod-1"):
+        coll.all_gather("x", b"", 0.3)
+    with pytest.raises(TypeError):
+        coll.all_gather("y", 5, 1)  # bad input still raises the inner instance's TypeError
+    coll.close()
