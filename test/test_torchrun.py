@@ -43,10 +43,24 @@ def test_healthy_node_leaves_exit_barrier_naming_the_failed_node(store_on: str) 
     assert STORE_ERROR not in healthy.output + failing.output
 
 
-def test_running_workers_are_stopped_when_another_node_fails() -> None:
+@pytest.mark.parametrize("store_on", ["healthy", "failing"])
+def test_working_node_stops_at_once_when_another_node_fails(store_on: str) -> None:
+    """Node 1's local rank 1 exits 3 at once while node 0's workers have 60 s of work
+    (torch with the store on the failing node: RendezvousConnectionError, cause not shown)."""
+    nodes = torchrun_two_nodes(["fail-running", "60"], host_node=0 if store_on == "healthy" else 1, failing_node=1)
+    healthy, failing = nodes
+    _report(f"store on {store_on} node, workers running: healthy agent exited after", healthy.elapsed)
+    assert failing.returncode == 1 and healthy.returncode == 1, healthy.output
+    assert healthy.elapsed < 40, healthy.output  # its workers were stopped, not waited for
+    assert re.search(r"node 1 on host \S+ failed: rank 3: exit code 3", healthy.output), healthy.output
+    assert "stopping this node's workers" in healthy.output
+    assert STORE_ERROR not in healthy.output + failing.output
+
+
+def test_workers_blocked_in_collectives_are_released_by_the_notice() -> None:
     """Node 0 hosts the store and fails at once; node 1's workers are blocked in a barrier."""
     failing, healthy = torchrun_two_nodes(["fail-blocked"], host_node=0, failing_node=0)
-    _report("store on failing node, workers running: healthy agent exited after", healthy.elapsed)
+    _report("store on failing node, workers blocked: healthy agent exited after", healthy.elapsed)
     assert failing.returncode == 1 and healthy.returncode == 1, healthy.output
     assert healthy.elapsed < 60, healthy.output
     assert re.search(r"node 0 on host \S+ failed: rank 1: exit code 3", healthy.output), healthy.output

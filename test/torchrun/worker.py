@@ -5,6 +5,7 @@ Modes:
   fail-after SECS    on the node started with CTRL_TEST_FAIL=1, local rank 1 exits 3 after
                      SECS seconds (a workload, not synchronization); other workers exit 0
   fail-blocked       as fail-after 0, but the other workers block in a from_env() barrier
+  fail-running SECS  as fail-after 0, but the other workers work (sleep) SECS seconds
   flaky-ctrl MARKER  rank 1 exits 3 on the first attempt (no MARKER file yet); then collectives
   flaky-gloo MARKER  the same, then init_process_group("gloo") and an all_reduce
 """
@@ -57,10 +58,12 @@ def main() -> None:
     failing = os.environ.get("CTRL_TEST_FAIL") == "1" and os.environ["LOCAL_RANK"] == "1"
     if mode == "collectives":
         collectives()
-    elif mode in ("fail-after", "fail-blocked"):
+    elif mode in ("fail-after", "fail-blocked", "fail-running"):
         if failing:
             time.sleep(float(sys.argv[2]) if mode == "fail-after" else 0.0)
             sys.exit(3)
+        if mode == "fail-running":
+            time.sleep(float(sys.argv[2]))
         if mode == "fail-blocked":
             import torch_ctrl
 
