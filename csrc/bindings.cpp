@@ -56,6 +56,7 @@ PYBIND11_MODULE(_C, m) {
     obj.attr("delete_key")(key);
   };
   m.def("_op_prefix", &torch_ctrl::keys::op_prefix, "Key prefix of one collective (for layout tests).");
+  m.def("_base_key", &torch_ctrl::base_key, "The store under any PrefixStores, and the key as it sees it.");
 
   py::class_<StoreCollectives, std::shared_ptr<StoreCollectives>>(m, "StoreCollectives")
       .def(py::init([](c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::optional<double> hb) {

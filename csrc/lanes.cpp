@@ -24,7 +24,24 @@ std::string str(const std::vector<uint8_t>& v) {
 std::chrono::milliseconds millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(std::max(seconds, kTick) * 1000.0 + 0.5));
 }
+
+// PrefixStore::joinKey is protected; a derived type may name it (never instantiated).
+struct PrefixAccess : c10d::PrefixStore {
+  static std::string join(c10d::PrefixStore& store, const std::string& key) {
+    return (store.*(&PrefixAccess::joinKey))(key);
+  }
+};
 } // namespace
+
+std::pair<c10::intrusive_ptr<c10d::Store>, std::string> base_key(
+    c10::intrusive_ptr<c10d::Store> store,
+    std::string key) {
+  while (auto* prefix = dynamic_cast<c10d::PrefixStore*>(store.get())) {
+    key = PrefixAccess::join(*prefix, key);
+    store = prefix->getUnderlyingStore();
+  }
+  return {store, key};
+}
 
 c10::intrusive_ptr<c10d::Store> base_store(c10::intrusive_ptr<c10d::Store> store) {
   while (auto* prefix = dynamic_cast<c10d::PrefixStore*>(store.get())) {
@@ -50,7 +67,9 @@ void Lane::remove(const std::string& key) {
     if (!python_delete_key || std::string(exc.what()).find("pure virtual") == std::string::npos) {
       throw;
     }
-    python_delete_key(*store, key);
+    // Under PrefixStores too: join their prefixes and delete from the Python store itself.
+    auto [base, full] = base_key(store, key);
+    python_delete_key(*base, full);
   }
 }
 

@@ -11,11 +11,16 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace torch_ctrl {
 
 c10::intrusive_ptr<c10d::Store> base_store(c10::intrusive_ptr<c10d::Store> store);
+// The store under any PrefixStores, and `key` as that store sees it.
+std::pair<c10::intrusive_ptr<c10d::Store>, std::string> base_key(
+    c10::intrusive_ptr<c10d::Store> store,
+    std::string key);
 
 // torch's trampoline for Python-written stores does not forward delete_key to
 // Python; the bindings install this hook to call the Python method directly.

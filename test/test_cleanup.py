@@ -65,3 +65,21 @@ def test_every_store_kind_is_cleaned(impl: str, kind: str) -> None:
     run_ranks(WORLD, fn)
     # close() flushed every rank's cleanup; the last barrier's counter may remain (rank 0 deletes it)
     assert stores.admin.num_keys() - before <= 2
+
+
+def test_prefix_store_over_a_python_store_is_cleaned(impl: str) -> None:
+    """torch's PrefixStore cannot call a Python store's delete_key ("pure virtual"): the keys
+    are deleted from the Python store itself, under the joined prefixes."""
+    import torch.distributed as dist
+    from helpers import DictStore
+
+    base = DictStore()
+    store = dist.PrefixStore("job", dist.PrefixStore("round", base))
+
+    def fn(rank: int) -> None:
+        coll = make(impl, store, rank, WORLD)
+        _rounds(coll, rank, 0, 3, True)
+        coll.close()
+
+    run_ranks(WORLD, fn)
+    assert base.num_keys() <= 2, sorted(base._data)

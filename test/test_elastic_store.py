@@ -250,3 +250,16 @@ def test_installed_context_manager_and_torch_callers_get_the_adapter() -> None:
             # called through torch's module: rank 1 learns who is missing (torch: only rank 0)
             torch_store.barrier(store, 3, "ctx", barrier_timeout=0.3, rank=1)
     assert _torch_targets() == originals
+
+
+def test_install_logs_once(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    monkeypatch.setattr(elastic, "_logged", False)
+    with caplog.at_level(logging.INFO, logger="torch_ctrl.elastic"):
+        for _ in range(2):
+            with elastic.installed():
+                pass
+    assert [r.getMessage() for r in caplog.records].count(
+        "torch_ctrl: elastic store utilities and agent hooks installed"
+    ) == 1
