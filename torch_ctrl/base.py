@@ -16,6 +16,19 @@ Data = Union[bytes, bytearray, memoryview, str]
 Timeout = Union[timedelta, int, float]
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+# The nine collective methods of ControlCollectives, in documentation order.
+METHODS = (
+    "barrier",
+    "broadcast_send",
+    "broadcast_recv",
+    "gather_send",
+    "gather_recv",
+    "scatter_send",
+    "scatter_recv",
+    "all_gather",
+    "all_sum",
+)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 

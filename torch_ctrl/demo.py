@@ -20,17 +20,9 @@ import sys
 import time
 from typing import Any, Callable
 
-OPS = (
-    "barrier",
-    "broadcast_send",
-    "broadcast_recv",
-    "gather_send",
-    "gather_recv",
-    "scatter_send",
-    "scatter_recv",
-    "all_gather",
-    "all_sum",
-)
+from .base import METHODS
+
+OPS = METHODS
 TIMEOUT = 30.0  # seconds, for every collective
 JOB_WAIT = 300.0  # seconds the command waits for the torchrun job
 

@@ -6,20 +6,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-from .base import ControlCollectives
+from .base import METHODS, ControlCollectives
 from .errors import MAX_LISTED, CollectiveAbortedError, CollectiveTimeoutError
-
-_OPS = (
-    "barrier",
-    "broadcast_send",
-    "broadcast_recv",
-    "gather_send",
-    "gather_recv",
-    "scatter_send",
-    "scatter_recv",
-    "all_gather",
-    "all_sum",
-)
 
 
 class RankNamed(ControlCollectives):
@@ -97,6 +85,6 @@ def _forward(op: str) -> Callable[..., object]:
     return method
 
 
-for _op in _OPS:
+for _op in METHODS:
     setattr(RankNamed, _op, _forward(_op))
 RankNamed.__abstractmethods__ = frozenset()
