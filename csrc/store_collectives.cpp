@@ -119,10 +119,10 @@ void StoreCollectives::barrier(const Key& key, double timeout, bool block) {
     if (lane->native_barrier) {
       check_counter(op, until_counted(op, *lane));
       if (rank_ == 0) {
-        delete_later({op.key(K::kArrive), op.key(K::kNames)});
+        delete_later({op.key(K::kArrive)});
       }
     } else {
-      exit_later(op, world_, {K::kArrive, K::kDone, K::kNames});
+      exit_later(op, world_, {K::kArrive, K::kDone});
     }
     return;
   }
@@ -136,7 +136,7 @@ void StoreCollectives::barrier(const Key& key, double timeout, bool block) {
   if (count == world_) {
     lane->set(op.key(K::kDone), std::string(1, K::kTagData));
   }
-  exit_later(op, world_, {K::kArrive, K::kDone, K::kNames});
+  exit_later(op, world_, {K::kArrive, K::kDone});
 }
 
 void StoreCollectives::broadcast_send(const Key& key, const std::string& data, double timeout) {
@@ -348,7 +348,8 @@ std::map<int, std::string> StoreCollectives::exchange(const Op& op, const std::s
       garbage.insert(garbage.end(), got.second.begin(), got.second.end());
     }
   }
-  exit_later(op, world_, {K::kLog, K::kArrive, K::kDone, K::kNames}, garbage);
+  // Every rank has arrived (the counter reads N): its exits take it to 2N.
+  exit_later(op, 2 * world_, {K::kLog}, garbage, K::kArrive);
   if (static_cast<int>(entries.size()) != world_) {
     std::string found = "[";
     for (const auto& [r, v] : entries) {
@@ -375,7 +376,7 @@ std::map<int, std::string> StoreCollectives::exchange_slots(const Op& op, const 
     std::tie(values, chunks) = read_many(op, *lane, slots);
   }
   chunks.insert(chunks.end(), slots.begin(), slots.end());
-  exit_later(op, world_, {K::kNames}, chunks);
+  exit_later(op, world_, {}, chunks);
   std::map<int, std::string> entries;
   for (int r = 0; r < world_; ++r) {
     entries[r] = std::move(values[r]);
@@ -596,8 +597,10 @@ void StoreCollectives::exit_later(
     const Op& op,
     int64_t expected,
     const std::vector<std::string>& fields,
-    const std::vector<std::string>& extra) {
-  std::string exit_key = op.key(K::kExit);
+    const std::vector<std::string>& extra,
+    const std::string& counter) {
+  // NAMES logs are deleted by the ranks that wrote them (see Watcher::Blocked).
+  std::string exit_key = op.key(counter);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     keys.push_back(op.key(f));
@@ -614,10 +617,10 @@ void StoreCollectives::exit_later(
 }
 
 void StoreCollectives::delete_when_full(const Op& op) {
-  std::string counter = op.key(K::kArrive), names = op.key(K::kNames);
+  std::string counter = op.key(K::kArrive);
   auto deadline = op.deadline;
   int world = world_;
-  watcher_->submit([counter, names, deadline, world](Lane& lane) {
+  watcher_->submit([counter, deadline, world](Lane& lane) {
     double pause = 0.01;
     while (true) {
       auto value = lane.peek(counter);
@@ -631,7 +634,6 @@ void StoreCollectives::delete_when_full(const Op& op) {
       pause = std::min(pause * 2, 1.0);
     }
     lane.remove(counter);
-    lane.remove(names);
   });
 }
 

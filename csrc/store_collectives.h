@@ -3,6 +3,7 @@
 #pragma once
 
 #include "lanes.h"
+#include "keys.h"
 #include "watcher.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -91,7 +92,8 @@ class StoreCollectives {
       const Op& op,
       int64_t expected,
       const std::vector<std::string>& fields,
-      const std::vector<std::string>& extra = {});
+      const std::vector<std::string>& extra = {},
+      const std::string& counter = keys::kExit);
   void delete_when_full(const Op& op);
 
   c10::intrusive_ptr<c10d::Store> store_;

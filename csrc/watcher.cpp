@@ -141,7 +141,8 @@ void Watcher::close(double flush_timeout) {
   }
 }
 
-Watcher::Blocked::Blocked(Watcher& w, const std::string& names_key, double timeout, Wake wake) : w_(w) {
+Watcher::Blocked::Blocked(Watcher& w, const std::string& names_key, double timeout, Wake wake)
+    : w_(w), exceptions_(std::uncaught_exceptions()) {
   auto now = Clock::now();
   std::lock_guard<std::mutex> lock(w_.state_->mutex);
   if (w_.state_->blocked.empty()) {
@@ -158,8 +159,27 @@ Watcher::Blocked::Blocked(Watcher& w, const std::string& names_key, double timeo
 }
 
 Watcher::Blocked::~Blocked() {
-  std::lock_guard<std::mutex> lock(w_.state_->mutex);
-  w_.state_->blocked.erase(id_);
+  std::string names;
+  {
+    std::lock_guard<std::mutex> lock(w_.state_->mutex);
+    auto it = w_.state_->blocked.find(id_);
+    if (it != w_.state_->blocked.end()) {
+      // This rank appended its name: once the op has succeeded nobody reads the NAMES log,
+      // and the rank deletes it after its own append (the watcher keeps the order). On a
+      // timeout (an exception unwinding) it stays: the other ranks read it to name the missing.
+      if (it->second.named && std::uncaught_exceptions() == exceptions_) {
+        names = it->second.names_key;
+      }
+      w_.state_->blocked.erase(it);
+    }
+  }
+  if (!names.empty()) {
+    try {
+      w_.submit([names](Lane& lane) { lane.remove(names); });
+    } catch (const std::exception&) {
+      // best effort, like all cleanup
+    }
+  }
 }
 
 void Watcher::poll(State& st, Lane& lane) {

@@ -44,7 +44,8 @@ class Watcher {
   const std::string& abort_key() const { return abort_key_; }
 
   // RAII: marks the caller as blocked in a collective whose NAMES log is
-  // `names_key`; `wake(lane, notice)` releases it on abort.
+  // `names_key`; `wake(lane, notice)` releases it on abort. A caller that named
+  // itself deletes the log when the scope exits normally.
   class Blocked {
    public:
     Blocked(Watcher& w, const std::string& names_key, double timeout, Wake wake = nullptr);
@@ -53,6 +54,7 @@ class Watcher {
    private:
     Watcher& w_;
     uint64_t id_;
+    int exceptions_;  // std::uncaught_exceptions() at construction
   };
 
  private:

@@ -83,3 +83,31 @@ def test_prefix_store_over_a_python_store_is_cleaned(impl: str) -> None:
 
     run_ranks(WORLD, fn)
     assert base.num_keys() <= 2, sorted(base._data)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "hash"])
+def test_names_logs_of_slow_ops_are_deleted(impl: str, kind: str) -> None:
+    """Ranks blocked past the grace period append their names to the op's NAMES log; once
+    the op succeeds they delete it themselves. Rank 0 comes late (the pause is its work)."""
+    import time
+
+    stores = Stores(kind)
+    before = stores.admin.num_keys()
+
+    def fn(rank: int) -> None:
+        coll = make(impl, stores.client(rank), rank, WORLD)
+        for op in ("barrier", "all_gather", "broadcast"):
+            if rank == 0:
+                time.sleep(0.4)  # grace period of a 1 s timeout: 0.25 s
+            if op == "barrier":
+                coll.barrier("slow-b", 1.0)
+            elif op == "all_gather":
+                coll.all_gather("slow-g", b"x", 1.0)
+            elif rank == 0:
+                coll.broadcast_send("slow-c", b"x", 1.0)
+            else:
+                coll.broadcast_recv("slow-c", 1.0)
+        coll.close()
+
+    run_ranks(WORLD, fn)
+    assert stores.admin.num_keys() == before, getattr(stores, "server", None) and stores.server.list_keys()

@@ -107,9 +107,9 @@ class PyStoreCollectives(ControlCollectives):
                 if lane.native_barrier:
                     self._check_counter(op, self._until_counted(op, lane))
                     if self._rank == 0:
-                        self._delete_later([op.key(K.ARRIVE), op.key(K.NAMES)])
+                        self._delete_later([op.key(K.ARRIVE)])
                 else:
-                    self._exit_later(op, self._world, [K.ARRIVE, K.DONE, K.NAMES])
+                    self._exit_later(op, self._world, [K.ARRIVE, K.DONE])
                 return
             count = lane.add(op.key(K.ARRIVE), 1)
             if lane.native_barrier:
@@ -118,7 +118,7 @@ class PyStoreCollectives(ControlCollectives):
                 return
             if count == self._world:
                 lane.set(op.key(K.DONE), K.TAG_DATA)
-            self._exit_later(op, self._world, [K.ARRIVE, K.DONE, K.NAMES])
+            self._exit_later(op, self._world, [K.ARRIVE, K.DONE])
 
     def broadcast_send(
         self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
@@ -306,7 +306,8 @@ class PyStoreCollectives(ControlCollectives):
                     continue
                 entries[rank], used = self._untag(op, lane, K.frame_key(log_key, rank), head)
                 garbage += used
-        self._exit_later(op, self._world, [K.LOG, K.ARRIVE, K.DONE, K.NAMES], garbage)
+        # Every rank has arrived (the counter reads N): its exits take it to 2N.
+        self._exit_later(op, 2 * self._world, [K.LOG], garbage, counter=K.ARRIVE)
         if len(entries) != self._world:
             raise collective_error(
                 op.name,
@@ -331,7 +332,7 @@ class PyStoreCollectives(ControlCollectives):
         with self._lane(op) as lane:
             self._put(lane, slots[self._rank], payload)
             values, chunks = self._read_many(op, lane, slots)
-        self._exit_later(op, self._world, [K.NAMES], slots + chunks)
+        self._exit_later(op, self._world, [], slots + chunks)
         return dict(enumerate(values))
 
     def _read(self, op: _Op, lane: Lane, key: str) -> tuple[bytes, list[str]]:
@@ -471,9 +472,12 @@ class PyStoreCollectives(ControlCollectives):
 
         self._watcher.submit(task)
 
-    def _exit_later(self, op: _Op, expected: int, fields: list[str], extra: Sequence[str] = ()) -> None:
-        """Count this rank out; the rank that completes the count deletes the op's keys."""
-        exit_key = op.key(K.EXIT)
+    def _exit_later(
+        self, op: _Op, expected: int, fields: list[str], extra: Sequence[str] = (), counter: str = K.EXIT
+    ) -> None:
+        """Count this rank out on ``counter``; the rank that brings it to ``expected`` deletes the
+        op's keys (NAMES logs are deleted by the ranks that wrote them, see Watcher.blocked)."""
+        exit_key = op.key(counter)
         keys = [op.key(f) for f in fields] + list(extra) + [exit_key]
 
         def task(lane: Lane) -> None:
@@ -485,7 +489,7 @@ class PyStoreCollectives(ControlCollectives):
 
     def _delete_when_full(self, op: _Op) -> None:
         """Non-blocking arrival at a native barrier: delete the counter once everyone arrived."""
-        counter, names, deadline = op.key(K.ARRIVE), op.key(K.NAMES), op.deadline
+        counter, deadline = op.key(K.ARRIVE), op.deadline
         world = self._world
 
         def task(lane: Lane) -> None:
@@ -499,6 +503,5 @@ class PyStoreCollectives(ControlCollectives):
                 time.sleep(pause)
                 pause = min(pause * 2, 1.0)
             lane.delete(counter)
-            lane.delete(names)
 
         self._watcher.submit(task)

@@ -124,7 +124,8 @@ class Watcher:
     @contextmanager
     def blocked(self, names_key: str, timeout: float, wake: Wake | None = None) -> Iterator[None]:
         """Mark the caller as blocked in a collective whose NAMES log is ``names_key``;
-        ``wake(lane, notice)`` releases it on abort."""
+        ``wake(lane, notice)`` releases it on abort. A caller that named itself deletes the
+        log when the block exits normally."""
         ident = next(self._ids)
         with self._cv:
             now = time.monotonic()
@@ -138,9 +139,18 @@ class Watcher:
                 self._cv.notify_all()
         try:
             yield
-        finally:
+        except BaseException:
             with self._cv:
                 self._blocked.pop(ident, None)
+            raise
+        with self._cv:
+            entry = self._blocked.pop(ident, None)
+        if entry is not None and entry.named:
+            # This rank appended its name: once the op has succeeded nobody reads the NAMES
+            # log, and the rank deletes it after its own append (the watcher keeps the order).
+            # On a timeout it stays: the other ranks read it to name the missing ones.
+            names_key = entry.names_key
+            self.submit(lambda lane: lane.delete(names_key))
 
     def aborted(self, notice: bytes) -> None:
         """The group is aborted: remember the first notice and wake every blocked caller."""
