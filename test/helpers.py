@@ -184,7 +184,8 @@ def free_port() -> int:
 
 
 class Node:
-    """One torchrun (an agent and its workers) started as a real process."""
+    """One torchrun (an agent and its workers) started as a real process, in its own session
+    (so :meth:`kill_all` takes the workers too); its output is collected as it comes."""
 
     def __init__(self, args: list[str], env: dict[str, str], launcher: list[str]) -> None:
         import subprocess
@@ -198,23 +199,77 @@ class Node:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,
         )
-        self.output = ""
+        self._lines: list[str] = []
+        self._seen = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         self.returncode: int | None = None
         self.elapsed = 0.0
+
+    @property
+    def output(self) -> str:
+        with self._seen:
+            return "".join(self._lines)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._seen:
+                self._lines.append(line)
+                self._seen.notify_all()
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        """Block until ``text`` appears in the output."""
+        with self._seen:
+            if not self._seen.wait_for(lambda: text in "".join(self._lines), timeout):
+                raise TimeoutError(f"{text!r} not seen within {timeout}s:\n{''.join(self._lines)}")
 
     def wait(self, timeout: float) -> Node:
         import time
 
-        self.output, _ = self.proc.communicate(timeout=timeout)
+        self.proc.wait(timeout=timeout)
+        self._reader.join(timeout)
         self.returncode = self.proc.returncode
         self.elapsed = time.monotonic() - self.start
         return self
 
+    def kill_all(self) -> None:
+        """SIGKILL the agent and its workers (a node lost without a word). torch starts each
+        worker in a session of its own, so the process tree is walked through /proc."""
+        import signal
+
+        if self.proc.poll() is not None:
+            return  # reaped: its pid may belong to someone else now
+        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.communicate()
+        self.kill_all()
+        self.proc.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def torchrun_two_nodes(
@@ -226,10 +281,13 @@ def torchrun_two_nodes(
     backend: str | None = "ctrl",
     launcher: tuple[str, ...] = ("-m", "torch.distributed.run"),
     timeout: float = 150.0,
+    env: dict[str, str] | None = None,
+    during: Callable[[list[Node]], None] | None = None,
 ) -> list[Node]:
     """Two torchruns (2 workers each) on 127.0.0.1 running ``worker.py *mode``; node
     ``host_node`` hosts the rendezvous store; ``failing_node``'s local rank 1 gets
-    ``CTRL_TEST_FAIL=1``; ``backend=None`` leaves ``--rdzv-backend`` out. Node 0 starts
+    ``CTRL_TEST_FAIL=1``; ``backend=None`` leaves ``--rdzv-backend`` out; ``env`` is added to
+    both launchers' environment; ``during(nodes)`` runs once both are started. Node 0 starts
     first, so it becomes node rank 0 (ranks follow pids)."""
     port = free_port()
     nodes: list[Node] = []
@@ -247,8 +305,10 @@ def torchrun_two_nodes(
                 WORKER,
                 *mode,
             ]
-            env = {"CTRL_TEST_FAIL": str(int(n == failing_node))}
-            nodes.append(Node(args, env, list(launcher)))
+            node_env = {"CTRL_TEST_FAIL": str(int(n == failing_node)), **(env or {})}
+            nodes.append(Node(args, node_env, list(launcher)))
+        if during is not None:
+            during(nodes)
         return [node.wait(timeout) for node in nodes]
     finally:
         for node in nodes:

@@ -68,6 +68,22 @@ def test_workers_blocked_in_collectives_are_released_by_the_notice() -> None:
     assert STORE_ERROR not in healthy.output + failing.output
 
 
+def test_a_node_lost_without_a_word_is_named_by_its_heartbeat() -> None:
+    """Node 1 (agent and workers) is SIGKILLed while node 0 waits in the exit barrier (store on
+    node 0): node 0 names it once its heartbeat stops (0.5 s interval here; torch: 300 s)."""
+    nodes = torchrun_two_nodes(
+        ["node-works", "120"],
+        failing_node=1,
+        env={"TORCH_CTRL_AGENT_HEARTBEAT": "0.5"},
+        during=lambda ns: (ns[1].wait_for("WORKING", 60), ns[1].kill_all()),
+    )
+    healthy = nodes[0]
+    _report("node 1 killed: healthy agent exited after", healthy.elapsed)
+    assert healthy.returncode == 0, healthy.output
+    assert healthy.elapsed < 60, healthy.output
+    assert re.search(r"node 1 on host \S+ failed: no heartbeat for [\d.]+s", healthy.output), healthy.output
+
+
 @pytest.mark.parametrize("mode", ["flaky-ctrl", "flaky-gloo"])
 def test_restart_recovers_with_one_attempt_number(mode: str, tmp_path: object) -> None:
     """Rank 1 exits 3 on the first attempt only; with --max-restarts=1 the second attempt

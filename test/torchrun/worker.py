@@ -6,6 +6,8 @@ Modes:
                      SECS seconds (a workload, not synchronization); other workers exit 0
   fail-blocked       as fail-after 0, but the other workers block in a from_env() barrier
   fail-running SECS  as fail-after 0, but the other workers work (sleep) SECS seconds
+  node-works SECS    the workers of the CTRL_TEST_FAIL=1 node print WORKING and work SECS
+                     seconds; the other node's workers exit 0 at once
   flaky-ctrl MARKER  rank 1 exits 3 on the first attempt (no MARKER file yet); then collectives
   flaky-gloo MARKER  the same, then init_process_group("gloo") and an all_reduce
 """
@@ -68,6 +70,10 @@ def main() -> None:
             import torch_ctrl
 
             torch_ctrl.from_env(timeout=60).barrier(timeout=120)
+    elif mode == "node-works":
+        if os.environ.get("CTRL_TEST_FAIL") == "1":
+            print("WORKING", flush=True)
+            time.sleep(float(sys.argv[2]))
     elif mode in ("flaky-ctrl", "flaky-gloo"):
         marker = sys.argv[2]
         if os.environ["RANK"] == "1" and not os.path.exists(marker):
