@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch.distributed as dist
-from helpers import HOST, Stores, run_ranks
+from helpers import HOST, Stores, free_port, run_ranks
 
 import torch_ctrl
 from torch_ctrl import workers
@@ -40,6 +40,22 @@ def test_from_env_runs_collectives_in_the_rounds_namespace() -> None:
             return coll.all_sum("k", r, 30)
 
     assert run_ranks(n, next_round) == [3] * n
+
+
+@pytest.mark.parametrize("hosted", [False, True], ids=["rank0-hosts", "already-hosted"])
+def test_from_env_outside_torchrun(hosted: bool) -> None:
+    """Plain env:// variables: rank 0 hosts the store (as torch's env:// does), or joins the
+    store already listening on MASTER_PORT."""
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False) if hosted else None
+    port = server.port if server is not None else free_port()
+    n = 3
+
+    def body(r: int) -> list[bytes]:
+        env = {"MASTER_ADDR": HOST, "MASTER_PORT": str(port), "RANK": str(r), "WORLD_SIZE": str(n)}
+        with torch_ctrl.from_env(env=env) as coll:
+            return coll.all_gather("k", b"%d" % r, 30)
+
+    assert run_ranks(n, body) == [[b"0", b"1", b"2"]] * n
 
 
 def test_namespace_is_the_round_not_the_restart_count(caplog: pytest.LogCaptureFixture) -> None:

@@ -32,6 +32,7 @@ ENV_HOSTS = "TORCH_CTRL_HOSTS"
 
 log = logging.getLogger("torch_ctrl")
 _warned = False
+_HOSTED: list[dist.TCPStore] = []  # stores from_env() hosts (rank 0 outside torchrun)
 
 
 def worker_namespace(env: Mapping[str, str]) -> str:
@@ -93,19 +94,29 @@ def from_env(
         if not addr:
             raise ValueError("from_env: MASTER_ADDR is not set (run under torchrun, or pass store=)")
         agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        store = dist.TCPStore(
-            addr,
-            _int_env(env, "MASTER_PORT"),
-            world_size,
-            is_master=rank == 0 and not agent_store,
-            timeout=timedelta(seconds=to_seconds(timeout)),
-            wait_for_workers=False,
-        )
+        store = _connect(addr, _int_env(env, "MASTER_PORT"), rank == 0 and not agent_store, to_seconds(timeout))
     coll = StoreCollectives(
         dist.PrefixStore(worker_namespace(env), store), rank, world_size, heartbeat_interval=heartbeat_interval
     )
     hosts = decode_hosts(env.get(ENV_HOSTS, ""))
     return RankNamed(coll, hosts) if len(hosts) == world_size else coll
+
+
+def _connect(addr: str, port: int, host: bool, seconds: float) -> dist.TCPStore:
+    """A TCPStore client, or the server when ``host``; a rank 0 that finds the port taken
+    (a store someone already hosts there) connects to it instead."""
+    timeout = timedelta(seconds=seconds)
+    if host:
+        try:
+            server = dist.TCPStore(addr, port, is_master=True, timeout=timeout, wait_for_workers=False)
+            # The server lives as long as this process, not as long as one instance: peers
+            # may still be cleaning up after rank 0 has closed its collectives.
+            _HOSTED.append(server)
+            return server
+        except (RuntimeError, dist.DistNetworkError) as exc:
+            if "address already in use" not in str(exc).lower():
+                raise
+    return dist.TCPStore(addr, port, is_master=False, timeout=timeout)
 
 
 def _int_env(env: Mapping[str, str], name: str) -> int:
