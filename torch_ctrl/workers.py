@@ -5,7 +5,8 @@ Environment read (all set by torchrun; the last two by the ``ctrl`` rendezvous b
 ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``
     the store and this worker's place in the job;
 ``TORCHELASTIC_USE_AGENT_STORE``
-    ``True`` when the agent hosts that store (else rank 0 hosts it, as ``env://`` does);
+    ``True`` when the agent hosts that store (else rank 0 hosts it, as ``env://`` does,
+    or joins a store already listening there);
 ``TORCH_CTRL_ROUND``
     the rendezvous round, the same on every node of one round: it namespaces the keys,
     so a restarted worker group never sees an earlier attempt's keys;
