@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         f"--rounds={args.rounds}",
         f"--impl={'both' if len(impls) == 2 else impls[0]}",
     ]
-    print("$ " + " ".join(cmd[1:]), flush=True)
+    print("$ python " + " ".join(cmd[1:]), flush=True)
     start = time.monotonic()
     try:
         code = subprocess.run(cmd, timeout=JOB_WAIT).returncode
