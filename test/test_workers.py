@@ -90,7 +90,7 @@ def test_errors_name_hosts() -> None:
 
     def late(r: int) -> str:
         coll = torch_ctrl.from_env(env=_env(stores, r, n, TORCH_CTRL_ROUND="0", TORCH_CTRL_HOSTS=hosts))
-        assert isinstance(coll, torch_ctrl.RankNamed)
+        assert isinstance(coll, torch_ctrl.StoreCollectives)
         with pytest.raises(torch_ctrl.CollectiveTimeoutError) as info:
             coll.barrier("b", 0.5)
         coll.close()
@@ -113,6 +113,19 @@ def test_errors_name_hosts() -> None:
 
     msgs = run_ranks(n, aborted)
     assert all("rank 2 runs on node-b" in m for m in msgs[:2]), msgs
+
+
+def test_with_rank_names_keeps_the_class() -> None:
+    store = dist.HashStore()
+    cls = torch_ctrl.with_rank_names(torch_ctrl.PyStoreCollectives)
+    assert cls is torch_ctrl.with_rank_names(torch_ctrl.PyStoreCollectives)
+    coll = cls(store, 1, 2, rank_names=["pod-a", "pod-b"])
+    assert isinstance(coll, torch_ctrl.PyStoreCollectives) and coll.rank == 1
+    with pytest.raises(
+        torch_ctrl.CollectiveTimeoutError, match=r"missing ranks: \[0\] \(hosts of missing ranks: 0: pod-a\)"
+    ):
+        coll.barrier("x", 0.3)
+    coll.close()
 
 
 def test_rank_named_wraps_any_collectives() -> None:

@@ -14,7 +14,7 @@ from .errors import (
     KeyReusedError,
 )
 from .loader import StoreCollectives, backend, import_error
-from .naming import RankNamed
+from .naming import RankNamed, with_rank_names
 from .store_collectives import PyStoreCollectives
 from .workers import from_env
 
@@ -33,6 +33,7 @@ __all__ = [
     "from_env",
     "import_error",
     "register",
+    "with_rank_names",
 ]
 
 

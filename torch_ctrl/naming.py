@@ -1,24 +1,100 @@
-"""Errors that name hosts: a ControlCollectives wrapper that appends, to every timeout
-and abort error, where the ranks it names run (for example ``rank 3 on host node-b``)."""
+"""Errors that name hosts: timeout and abort errors that also say where the ranks they name
+run (for example ``rank 3 runs on node-b``).
+
+Two forms, one rule (:func:`name_error`):
+
+* :func:`with_rank_names` makes a subclass of a collectives class whose constructor takes
+  ``rank_names=``; instances stay instances of that class (``from_env()`` uses it);
+* :class:`RankNamed` wraps any existing :class:`ControlCollectives` instance.
+"""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any, Union
 
 from .base import METHODS, ControlCollectives
 from .errors import MAX_LISTED, CollectiveAbortedError, CollectiveTimeoutError
 
+Names = Union[Callable[[int], str], Sequence[str]]
+
+
+def rank_name(names: Names | None, rank: int) -> str:
+    """Where ``rank`` runs, or ``"?"`` when unknown."""
+    try:
+        return str(names(rank) if callable(names) else names[rank])  # type: ignore[index]
+    except Exception:  # noqa: BLE001 - naming must never hide the real error
+        return "?"
+
+
+def name_error(exc: Exception, names: Names | None) -> Exception:
+    """``exc`` with the hosts of the ranks it names appended (same type and attributes), or
+    ``exc`` itself when it names no rank."""
+    if names is None:
+        return exc
+    if isinstance(exc, CollectiveTimeoutError) and exc.missing:
+        where = ", ".join(f"{r}: {rank_name(names, r)}" for r in exc.missing[:MAX_LISTED])
+        return CollectiveTimeoutError(
+            f"{exc} (hosts of missing ranks: {where})",
+            op=exc.op,
+            key=exc.key,
+            arrived=exc.arrived,
+            world_size=exc.world_size,
+            missing=exc.missing,
+        )
+    if isinstance(exc, CollectiveAbortedError) and exc.rank >= 0:
+        return CollectiveAbortedError(
+            f"{exc} (rank {exc.rank} runs on {rank_name(names, exc.rank)})", exc.rank, exc.reason
+        )
+    return exc
+
+
+def _call(fn: Callable[..., Any], names: Names | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except (CollectiveTimeoutError, CollectiveAbortedError) as exc:
+        named = name_error(exc, names)
+        if named is exc:
+            raise
+        raise named from None
+
+
+class _NamedErrors:
+    """Mixin (first in the MRO): every collective's errors pass through :func:`name_error`."""
+
+    _rank_names: Names | None = None
+
+    def __init__(self, *args: Any, rank_names: Names | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rank_names = rank_names
+
+
+def _named_method(op: str) -> Callable[..., Any]:
+    def method(self: _NamedErrors, *args: Any, **kwargs: Any) -> Any:
+        return _call(getattr(super(_NamedErrors, self), op), self._rank_names, args, kwargs)
+
+    return functools.wraps(getattr(ControlCollectives, op))(method)
+
+
+for _op in METHODS:
+    setattr(_NamedErrors, _op, _named_method(_op))
+
+
+@functools.cache
+def with_rank_names(cls: type) -> type:
+    """A subclass of ``cls`` (a ControlCollectives class) whose constructor also takes
+    ``rank_names=`` (a sequence indexed by rank, or a callable) and whose errors use it."""
+    return type(cls.__name__, (_NamedErrors, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
 
 class RankNamed(ControlCollectives):
-    """``inner`` with errors that name each rank as ``names(rank)`` (a host, a pod...).
-
-    Same methods and behaviour as ``inner``; only the messages of
-    :class:`CollectiveTimeoutError` (missing ranks) and :class:`CollectiveAbortedError`
-    (the aborting rank) gain the names. Attributes of the errors are kept.
+    """``inner`` (any ControlCollectives instance) with errors that name each rank as
+    ``names(rank)`` (a host, a pod...). Same methods and behaviour as ``inner``; only the
+    messages of timeout and abort errors gain the names. Attributes of the errors are kept.
     """
 
-    def __init__(self, inner: ControlCollectives, names: Callable[[int], str] | Sequence[str]) -> None:
+    def __init__(self, inner: ControlCollectives, names: Names) -> None:
         self.inner = inner
         self._names = names
 
@@ -32,14 +108,6 @@ class RankNamed(ControlCollectives):
         """Number of ranks in the group."""
         return self.inner.world_size  # type: ignore[attr-defined,no-any-return]
 
-    def name(self, rank: int) -> str:
-        """Where ``rank`` runs, or ``"?"`` when unknown."""
-        try:
-            names = self._names
-            return str(names(rank) if callable(names) else names[rank])
-        except Exception:  # noqa: BLE001 - naming must never hide the real error
-            return "?"
-
     def abort(self, reason: str = "") -> None:
         """See :meth:`ControlCollectives.abort`."""
         self.inner.abort(reason)
@@ -51,36 +119,12 @@ class RankNamed(ControlCollectives):
     def __repr__(self) -> str:
         return f"RankNamed({self.inner!r})"
 
-    def _named(self, exc: Exception) -> Exception:
-        if isinstance(exc, CollectiveTimeoutError) and exc.missing:
-            where = ", ".join(f"{r}: {self.name(r)}" for r in exc.missing[:MAX_LISTED])
-            named = CollectiveTimeoutError(
-                f"{exc} (hosts of missing ranks: {where})",
-                op=exc.op,
-                key=exc.key,
-                arrived=exc.arrived,
-                world_size=exc.world_size,
-                missing=exc.missing,
-            )
-        elif isinstance(exc, CollectiveAbortedError) and exc.rank >= 0:
-            where = f"{exc} (rank {exc.rank} runs on {self.name(exc.rank)})"
-            named = CollectiveAbortedError(where, exc.rank, exc.reason)
-        else:
-            return exc
-        return named
 
+def _forward(op: str) -> Callable[..., Any]:
+    def method(self: RankNamed, *args: Any, **kwargs: Any) -> Any:
+        return _call(getattr(self.inner, op), self._names, args, kwargs)
 
-def _forward(op: str) -> Callable[..., object]:
-    def method(self: RankNamed, *args: object, **kwargs: object) -> object:
-        try:
-            return getattr(self.inner, op)(*args, **kwargs)
-        except (CollectiveTimeoutError, CollectiveAbortedError) as exc:
-            named = self._named(exc)
-            if named is exc:
-                raise
-            raise named from None
-
-    functools.update_wrapper(method, getattr(ControlCollectives, op))
+    method = functools.wraps(getattr(ControlCollectives, op))(method)
     method.__isabstractmethod__ = False  # type: ignore[attr-defined]
     return method
 

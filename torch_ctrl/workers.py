@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .base import ControlCollectives, Timeout, to_seconds
 from .keys import escape
 from .loader import StoreCollectives
-from .naming import RankNamed
+from .naming import with_rank_names
 
 ENV_ROUND = "TORCH_CTRL_ROUND"
 ENV_HOSTS = "TORCH_CTRL_HOSTS"
@@ -84,8 +84,9 @@ def from_env(
     client at ``MASTER_ADDR:MASTER_PORT`` (or over ``store``), namespaced by the rendezvous
     round (:func:`worker_namespace`).
 
-    ``timeout`` bounds connecting to the store. When ``TORCH_CTRL_HOSTS`` is set, the result
-    is a :class:`~torch_ctrl.naming.RankNamed` wrapper whose errors name hosts.
+    ``timeout`` bounds connecting to the store. The result is an instance of
+    ``torch_ctrl.StoreCollectives``; when ``TORCH_CTRL_HOSTS`` is set, its timeout and abort
+    errors also name the hosts of the ranks they mention.
     Raises ``ValueError`` naming the variable when one is missing or malformed.
     """
     env = os.environ if env is None else env
@@ -96,11 +97,14 @@ def from_env(
             raise ValueError("from_env: MASTER_ADDR is not set (run under torchrun, or pass store=)")
         agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         store = _connect(addr, _int_env(env, "MASTER_PORT"), rank == 0 and not agent_store, to_seconds(timeout))
-    coll = StoreCollectives(
-        dist.PrefixStore(worker_namespace(env), store), rank, world_size, heartbeat_interval=heartbeat_interval
-    )
     hosts = decode_hosts(env.get(ENV_HOSTS, ""))
-    return RankNamed(coll, hosts) if len(hosts) == world_size else coll
+    return with_rank_names(StoreCollectives)(
+        dist.PrefixStore(worker_namespace(env), store),
+        rank,
+        world_size,
+        heartbeat_interval=heartbeat_interval,
+        rank_names=hosts if len(hosts) == world_size else None,
+    )
 
 
 def _connect(addr: str, port: int, host: bool, seconds: float) -> dist.TCPStore:
