@@ -263,3 +263,37 @@ def test_install_logs_once(caplog: pytest.LogCaptureFixture, monkeypatch: pytest
     assert [r.getMessage() for r in caplog.records].count(
         "torch_ctrl: elastic store utilities and agent hooks installed"
     ) == 1
+
+
+# ------------------------------------------------------------------ the ctrl rendezvous handler
+class _Round:
+    """A stand-in for torch's c10d handler after the join: one round on a real TCPStore."""
+
+    def __init__(self, server_port: int, rnd: int, rank: int, world: int, address: tuple[str, int]) -> None:
+        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+        store = dist.PrefixStore(f"torch.rendezvous.job.{rnd}", dist.TCPStore("127.0.0.1", server_port))
+        self._info = RendezvousInfo(store, rank, world, RendezvousStoreInfo(*address))
+        self._state_holder = SimpleNamespace(state=SimpleNamespace(round=rnd))
+
+    def next_rendezvous(self):  # noqa: ANN201
+        return self._info
+
+
+def test_bootstrap_address_comes_from_node_0_of_the_same_round() -> None:
+    """Node 1 holds a stale address (torch caches the first round's); the ctrl handler gives it
+    the address node 0 of *this* round broadcasts, and exports the round."""
+    from torch_ctrl.elastic.rendezvous import CtrlRendezvousHandler
+
+    server = Stores("tcp")
+    for rnd, node0 in ((0, ("node-a", 29500)), (1, ("node-b", 29600))):
+
+        def node(rank: int, rnd: int = rnd, node0: tuple[str, int] = node0) -> tuple[object, ...]:
+            mine = node0 if rank == 0 else ("stale-address", 1)
+            handler = CtrlRendezvousHandler(_Round(server.port, rnd, rank, 2, mine))
+            info = handler.next_rendezvous()
+            boot = info.bootstrap_store_info
+            return handler.round, boot.master_addr, boot.master_port, handler.get_backend()
+
+        assert run_ranks(2, node) == [(rnd, *node0, "ctrl")] * 2
+    assert server.admin.num_keys() == 0  # the broadcasts' keys are gone
