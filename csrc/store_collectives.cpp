@@ -295,13 +295,12 @@ void StoreCollectives::arrive(const Op& op, Lane& lane) {
   };
   try {
     if (lane.native_barrier) {
-      {
-        Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_native);
-        lane.barrier(counter, world_, op.left());
-      }
+      Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_native);
+      lane.barrier(counter, world_, op.left());
       if (op.left() < 0.05) {
-        // TCPStore's native barrier can return normally when several waiters
-        // time out together: trust the counter, not the return.
+        // TCPStore's native barrier can return normally when several waiters time out
+        // together: trust the counter, not the return (and throw while still blocked, so
+        // this rank's NAMES entry stays for the others).
         auto value = lane.peek(counter);
         if (value && is_digits(*value) && std::stoll(*value) < world_) {
           throw std::runtime_error("barrier timeout");
@@ -608,7 +607,9 @@ void StoreCollectives::exit_later(
   keys.insert(keys.end(), extra.begin(), extra.end());
   keys.push_back(exit_key);
   watcher_->submit([exit_key, expected, keys](Lane& lane) {
-    if (lane.add(exit_key, 1) >= expected) {
+    // At or past kAbortBias the op was aborted: its keys stay (like a timed-out op's).
+    int64_t count = lane.add(exit_key, 1);
+    if (count >= expected && count < K::kAbortBias) {
       for (const auto& key : keys) {
         lane.remove(key);
       }

@@ -266,12 +266,13 @@ class PyStoreCollectives(ControlCollectives):
             if lane.native_barrier:
                 with self._watcher.blocked(op.key(K.NAMES), op.seconds, wake_native):
                     lane.barrier(counter, self._world, op.left())
-                if op.left() < 0.05:
-                    # TCPStore's native barrier can return normally when several
-                    # waiters time out together: trust the counter, not the return.
-                    value = lane.peek(counter)
-                    if value is not None and int(value) < self._world:
-                        raise TimeoutError("barrier timeout")
+                    if op.left() < 0.05:
+                        # TCPStore's native barrier can return normally when several waiters
+                        # time out together: trust the counter, not the return (and raise
+                        # while still blocked, so this rank's NAMES entry stays for the others).
+                        value = lane.peek(counter)
+                        if value is not None and int(value) < self._world:
+                            raise TimeoutError("barrier timeout")
                 return
             if lane.add(counter, 1) == self._world:
                 lane.set(op.key(K.DONE), K.TAG_DATA)
@@ -481,7 +482,8 @@ class PyStoreCollectives(ControlCollectives):
         keys = [op.key(f) for f in fields] + list(extra) + [exit_key]
 
         def task(lane: Lane) -> None:
-            if lane.add(exit_key, 1) >= expected:
+            # At or past ABORT_BIAS the op was aborted: its keys stay (like a timed-out op's).
+            if expected <= lane.add(exit_key, 1) < K.ABORT_BIAS:
                 for key in keys:
                     lane.delete(key)
 
