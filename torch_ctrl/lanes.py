@@ -27,6 +27,13 @@ from . import keys as K
 _TICK = 0.001  # smallest timeout handed to a store (0 means "forever" to some stores)
 
 
+def peek(store: dist.Store, key: str) -> bytes | None:
+    """Read ``key`` without waiting or writing (one ``compare_set`` that cannot match);
+    ``None`` when it does not exist."""
+    value = bytes(store.compare_set(key, K.MISSING, K.NEVER))
+    return None if value == K.MISSING else value
+
+
 def base_store(store: dist.Store) -> dist.Store:
     """The store under any number of PrefixStores."""
     while isinstance(store, dist.PrefixStore):
@@ -66,8 +73,7 @@ class Lane:
 
     def peek(self, key: str) -> bytes | None:
         """Read ``key`` without waiting or writing; ``None`` when it does not exist."""
-        value = bytes(self.store.compare_set(key, K.MISSING, K.NEVER))
-        return None if value == K.MISSING else value
+        return peek(self.store, key)
 
     def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """``peek`` several keys: one check and one multi_get when all exist."""

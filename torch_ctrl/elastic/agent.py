@@ -38,6 +38,7 @@ import torch.distributed as dist
 from .. import keys as K
 from ..base import ControlCollectives
 from ..errors import CollectiveAbortedError, CollectiveTimeoutError, format_ranks
+from ..lanes import peek
 from ..loader import StoreCollectives
 from ..workers import ENV_HOSTS, ENV_ROUND, encode_hosts, worker_namespace
 
@@ -75,8 +76,8 @@ class AgentGroup:
 
     def peer_notice(self) -> tuple[int, str] | None:
         """A failure notice from another node, if one has been posted (one store read)."""
-        value = bytes(self.store.compare_set(K.abort_key(self.world_size), K.MISSING, K.NEVER))
-        if value == K.MISSING:
+        value = peek(self.store, K.abort_key(self.world_size))
+        if value is None:
             return None
         rank, reason = K.parse_notice(value)
         return None if rank == self.rank else (rank, reason)
