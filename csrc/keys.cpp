@@ -2,6 +2,7 @@
 #include "keys.h"
 
 #include <array>
+#include <charconv>
 #include <cstdio>
 #include <stdexcept>
 
@@ -141,8 +142,20 @@ std::string frame(int rank, const std::string& payload) {
   return std::to_string(rank) + ":" + std::to_string(payload.size()) + ":" + payload;
 }
 
-std::vector<std::pair<int, std::string>> parse_frames(const std::string& log) {
-  std::vector<std::pair<int, std::string>> out;
+namespace {
+template <typename T>
+T parse_number(const std::string& log, size_t begin, size_t end) {
+  T value{};
+  auto [ptr, ec] = std::from_chars(log.data() + begin, log.data() + end, value);
+  if (ec != std::errc() || ptr != log.data() + end) {
+    throw std::runtime_error("malformed log entry");
+  }
+  return value;
+}
+} // namespace
+
+std::vector<FrameSpan> frame_spans(const std::string& log) {
+  std::vector<FrameSpan> out;
   size_t pos = 0;
   while (pos < log.size()) {
     size_t c1 = log.find(':', pos);
@@ -150,10 +163,21 @@ std::vector<std::pair<int, std::string>> parse_frames(const std::string& log) {
     if (c2 == std::string::npos) {
       throw std::runtime_error("malformed log entry");
     }
-    int rank = std::stoi(log.substr(pos, c1 - pos));
-    size_t size = std::stoull(log.substr(c1 + 1, c2 - c1 - 1));
-    out.emplace_back(rank, log.substr(c2 + 1, size));
+    int rank = parse_number<int>(log, pos, c1);
+    size_t size = parse_number<size_t>(log, c1 + 1, c2);
+    if (size > log.size() - (c2 + 1)) {
+      throw std::runtime_error("malformed log entry");
+    }
+    out.push_back(FrameSpan{rank, c2 + 1, size});
     pos = c2 + 1 + size;
+  }
+  return out;
+}
+
+std::vector<std::pair<int, std::string>> parse_frames(const std::string& log) {
+  std::vector<std::pair<int, std::string>> out;
+  for (const auto& f : frame_spans(log)) {
+    out.emplace_back(f.rank, log.substr(f.start, f.size));
   }
   return out;
 }

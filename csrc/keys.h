@@ -54,6 +54,13 @@ std::pair<std::string, std::vector<std::pair<std::string, std::string>>> pack(
     const std::string& payload);
 size_t chunk_count(const std::string& value);
 std::string frame(int rank, const std::string& payload);
+// Where one frame's payload lies in a log: no copies, so reading N frames allocates once.
+struct FrameSpan {
+  int rank;
+  size_t start;
+  size_t size;
+};
+std::vector<FrameSpan> frame_spans(const std::string& log);
 std::vector<std::pair<int, std::string>> parse_frames(const std::string& log);
 std::set<int> parse_names(const std::string& log);
 

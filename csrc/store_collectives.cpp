@@ -221,13 +221,7 @@ std::vector<std::string> StoreCollectives::all_gather(const Key& key, const std:
   if (world_ == 1) {
     return {data};
   }
-  auto entries = exchange(op, data);
-  std::vector<std::string> out;
-  out.reserve(world_);
-  for (int r = 0; r < world_; ++r) {
-    out.push_back(std::move(entries[r]));
-  }
-  return out;
+  return exchange(op, data);
 }
 
 int64_t StoreCollectives::all_sum(const Key& key, int64_t data, double timeout) {
@@ -235,9 +229,9 @@ int64_t StoreCollectives::all_sum(const Key& key, int64_t data, double timeout) 
   if (world_ == 1) {
     return data;
   }
-  auto entries = exchange(op, std::to_string(data));
   std::vector<int64_t> values;
-  for (const auto& [r, v] : entries) {
+  values.reserve(world_);
+  for (const auto& v : exchange(op, std::to_string(data))) {
     values.push_back(std::stoll(v));
   }
   return wrap_sum(values);
@@ -320,50 +314,60 @@ void StoreCollectives::arrive(const Op& op, Lane& lane) {
   untag(op, lane, op.key(K::kDone), done);
 }
 
-std::map<int, std::string> StoreCollectives::exchange(const Op& op, const std::string& payload) {
+std::vector<std::string> StoreCollectives::exchange(const Op& op, const std::string& payload) {
   // On a TCPStore: one log, the server-side barrier, one read (O(N) server work).
   // Elsewhere: one slot per rank and one multi_get (fewest calls without a native barrier).
   if (!lanes_->native_barrier()) {
     return exchange_slots(op, payload);
   }
   std::string log_key = op.key(K::kLog);
-  std::map<int, std::string> entries;
+  std::vector<std::string> entries(world_);
+  std::vector<char> seen(world_, 0);
+  int found = 0;
   std::vector<std::string> garbage;
   {
     LaneGuard lane(*lanes_, open_lane(op));
     lane->append(log_key, K::frame(rank_, stage(*lane, K::frame_key(log_key, rank_), payload)));
     arrive(op, *lane);
     std::string log = lane->peek(log_key).value_or("");
-    for (auto& [rank, head] : K::parse_frames(log)) {
-      if (rank < 0) {
-        raise_abort(op, head);
+    // N frames per rank, so N^2 per op over the group: read them in place, one copy each.
+    for (const auto& f : K::frame_spans(log)) {
+      if (f.rank < 0) {
+        raise_abort(op, log.substr(f.start, f.size));
       }
-      if (!head.empty() && head[0] == K::kTagData) {  // the common case: no chunk key to build
-        entries[rank] = head.substr(1);
+      if (f.rank >= world_ || seen[f.rank]) {
         continue;
       }
-      auto got = untag(op, *lane, K::frame_key(log_key, rank), head);
-      entries[rank] = std::move(got.first);
-      garbage.insert(garbage.end(), got.second.begin(), got.second.end());
+      if (f.size > 0 && log[f.start] == K::kTagData) {  // the common case: no chunk key to build
+        entries[f.rank].assign(log, f.start + 1, f.size - 1);
+      } else {
+        auto got = untag(op, *lane, K::frame_key(log_key, f.rank), log.substr(f.start, f.size));
+        entries[f.rank] = std::move(got.first);
+        garbage.insert(garbage.end(), got.second.begin(), got.second.end());
+      }
+      seen[f.rank] = 1;
+      ++found;
     }
   }
   // Every rank has arrived (the counter reads N): its exits take it to 2N.
   exit_later(op, 2 * world_, {K::kLog}, garbage, K::kArrive);
-  if (static_cast<int>(entries.size()) != world_) {
-    std::string found = "[";
-    for (const auto& [r, v] : entries) {
-      found += (found.size() > 1 ? ", " : "") + std::to_string(r);
+  if (found != world_) {
+    std::string ranks = "[";
+    for (int r = 0; r < world_; ++r) {
+      if (seen[r]) {
+        ranks += (ranks.size() > 1 ? ", " : "") + std::to_string(r);
+      }
     }
     throw CollectiveError(
         op.name,
         op.label,
-        "expected " + std::to_string(world_) + " entries, found ranks " + found +
+        "expected " + std::to_string(world_) + " entries, found ranks " + ranks +
             "] (is the key used by another group?)");
   }
   return entries;
 }
 
-std::map<int, std::string> StoreCollectives::exchange_slots(const Op& op, const std::string& payload) {
+std::vector<std::string> StoreCollectives::exchange_slots(const Op& op, const std::string& payload) {
   std::vector<std::string> slots;
   for (int r = 0; r < world_; ++r) {
     slots.push_back(K::rank_slot(op.prefix, r));
@@ -376,11 +380,7 @@ std::map<int, std::string> StoreCollectives::exchange_slots(const Op& op, const 
   }
   chunks.insert(chunks.end(), slots.begin(), slots.end());
   exit_later(op, world_, {}, chunks);
-  std::map<int, std::string> entries;
-  for (int r = 0; r < world_; ++r) {
-    entries[r] = std::move(values[r]);
-  }
-  return entries;
+  return values;
 }
 
 std::string StoreCollectives::stage(Lane& lane, const std::string& key, const std::string& payload) {

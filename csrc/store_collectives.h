@@ -62,8 +62,9 @@ class StoreCollectives {
   std::unique_ptr<Lane> open_lane(const Op& op);
   static Wake wake_set(std::vector<std::string> keys);
   void arrive(const Op& op, Lane& lane);
-  std::map<int, std::string> exchange(const Op& op, const std::string& payload);
-  std::map<int, std::string> exchange_slots(const Op& op, const std::string& payload);
+  // Every rank's payload, indexed by rank.
+  std::vector<std::string> exchange(const Op& op, const std::string& payload);
+  std::vector<std::string> exchange_slots(const Op& op, const std::string& payload);
   // Write the chunks of `payload` (if any); return the tagged value to store at `key`.
   std::string stage(Lane& lane, const std::string& key, const std::string& payload);
   void put(Lane& lane, const std::string& key, const std::string& payload);
