@@ -34,6 +34,9 @@ struct Watcher::State {
   bool running = false;
   Clock::time_point next_poll{};
   Clock::time_point next_beat{};
+  // Active (a collective in the last kLinger s): the thread wakes at least every kTick,
+  // so callers need not wake it and back-to-back collectives share one thread switch.
+  Clock::time_point active_until{};
   // While the thread sleeps: until when (nullopt: until notified). Lets callers skip
   // waking it, so back-to-back collectives do not cost a thread switch each.
   bool sleeping = false;
@@ -84,11 +87,15 @@ void Watcher::submit(Task task) {
   start_locked();
   // Back-pressure: a tight loop of collectives must not outrun its cleanup.
   while (state_->tasks.size() >= kMaxPending && state_->running) {
+    state_->cv.notify_all();
     state_->cv.wait_for(lock, std::chrono::milliseconds(100));
   }
   state_->tasks.push_back(std::move(task));
   start_locked();
-  if (state_->sleeping) {
+  auto now = Clock::now();
+  state_->active_until = now + secs(kLinger);
+  if (state_->sleeping &&
+      (state_->tasks.size() >= kBatch || !state_->wake_at || *state_->wake_at > now + secs(kTick))) {
     state_->cv.notify_all();
   }
 }
@@ -110,6 +117,7 @@ std::optional<std::string> Watcher::notice() {
 bool Watcher::flush(double timeout) {
   auto end = Clock::now() + secs(timeout);
   std::unique_lock<std::mutex> lock(state_->mutex);
+  state_->cv.notify_all();
   while (!state_->tasks.empty() || state_->busy) {
     if (!state_->running || state_->cv.wait_until(lock, end) == std::cv_status::timeout) {
       return state_->tasks.empty();
@@ -151,6 +159,7 @@ Watcher::Blocked::Blocked(Watcher& w, const std::string& names_key, double timeo
   id_ = w_.state_->next_id++;
   auto due = now + secs(grace_period(timeout));
   w_.state_->blocked[id_] = Entry{names_key, due, std::move(wake), false, false};
+  w_.state_->active_until = now + secs(kLinger);
   w_.start_locked();
   auto first = std::min(due, w_.state_->next_poll);
   if (w_.state_->sleeping && (!w_.state_->wake_at || *w_.state_->wake_at > first)) {
@@ -262,6 +271,9 @@ void Watcher::run(std::shared_ptr<State> st) {
       st->next_beat = now + secs(*st->heartbeat);
     } else if (st->heartbeat && !st->closed) {
       consider(st->next_beat);
+    }
+    if (now < st->active_until && !st->closed) {
+      consider(now + secs(kTick));
     }
     std::deque<Task> tasks;
     if (!st->tasks.empty()) {

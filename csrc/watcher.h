@@ -25,8 +25,11 @@ using Wake = std::function<void(Lane&, const std::string&)>;
 
 double grace_period(double timeout);
 
-// Twins of watcher.MAX_PENDING, watcher.POLL and watcher.DEAD_AFTER.
-constexpr size_t kMaxPending = 4;
+// Twins of watcher.MAX_PENDING, BATCH, TICK, LINGER, POLL and DEAD_AFTER.
+constexpr size_t kMaxPending = 8;
+constexpr size_t kBatch = 4;
+constexpr double kTick = 0.1;
+constexpr double kLinger = 1.0;
 constexpr double kPoll = 0.7;
 constexpr double kDeadAfter = 2.5;
 

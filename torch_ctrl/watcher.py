@@ -40,7 +40,14 @@ Wake = Callable[[Lane, bytes], None]
 
 # Most cleanup tasks queued per instance: a caller that would exceed it waits, so a
 # tight loop of collectives cannot outrun its cleanup and grow the store.
-MAX_PENDING = 4
+MAX_PENDING = 8
+# A submit that makes the queue this long wakes the thread at once; shorter queues wait
+# for its next tick, so back-to-back collectives share one thread switch.
+BATCH = 4
+# While active (a collective in the last LINGER seconds), the thread wakes at least every
+# TICK seconds: callers then never need to wake it, and cleanup lags by at most TICK.
+TICK = 0.1
+LINGER = 1.0
 # Abort poll period while a caller is blocked: wakes peers within 1 s at under
 # 2 store operations per second per blocked rank.
 POLL = 0.7
@@ -98,6 +105,7 @@ class Watcher:
         self._busy = False
         self._next_poll = 0.0
         self._next_beat = 0.0
+        self._active_until = 0.0
         # While the thread sleeps: until when (None: until notified). Lets callers skip
         # waking it, so back-to-back collectives do not cost a thread switch each.
         self._sleeping = False
@@ -115,10 +123,15 @@ class Watcher:
         with self._cv:
             self._start()
             while len(self._tasks) >= MAX_PENDING and self._thread is not None and self._thread.is_alive():
+                self._cv.notify_all()
                 self._cv.wait(0.1)
             self._tasks.append(task)
             self._start()
-            if self._sleeping:
+            now = time.monotonic()
+            self._active_until = now + LINGER
+            if self._sleeping and (
+                len(self._tasks) >= BATCH or self._wake_at is None or self._wake_at > now + TICK
+            ):
                 self._cv.notify_all()
 
     @contextmanager
@@ -133,6 +146,7 @@ class Watcher:
                 self._next_poll = now + POLL
             entry = _Blocked(names_key, now + grace_period(timeout), wake)
             self._blocked[ident] = entry
+            self._active_until = now + LINGER
             self._start()
             first = min(entry.due, self._next_poll)
             if self._sleeping and (self._wake_at is None or self._wake_at > first):
@@ -164,6 +178,7 @@ class Watcher:
         """Wait until every submitted task has run; False on timeout."""
         end = time.monotonic() + timeout
         with self._cv:
+            self._cv.notify_all()
             while self._tasks or self._busy:
                 left = end - time.monotonic()
                 if left <= 0 or self._thread is None:
@@ -214,6 +229,8 @@ class Watcher:
                     due.append(self._next_poll)
                 if self._heartbeat is not None and not self._closed:
                     due.append(self._next_beat)
+                if now < self._active_until and not self._closed:
+                    due.append(now + TICK)
                 self._wake_at = min(due) if due else None
                 self._sleeping = True
                 self._cv.wait(max(0.0, self._wake_at - now) if self._wake_at is not None else None)
