@@ -26,6 +26,7 @@ The C++ twin of this module is ``csrc/keys.h``; keep them identical.
 from __future__ import annotations
 
 import hashlib
+import re
 
 PROTOCOL = "torch_ctrl/1"
 MAX_TOKEN = 160
@@ -54,18 +55,24 @@ ABORT_BIAS = 1 << 40
 MISSING = b"\x01"
 NEVER = b"\x02"
 
-_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
-
 
 def group_root(world_size: int) -> str:
     """Prefix of every key of the group of ``world_size`` ranks."""
     return f"{PROTOCOL}/w{world_size}"
 
 
+_UNSAFE = re.compile("[^A-Za-z0-9._-]")
+
+
+def _percent(match: re.Match[str]) -> str:
+    return f"%{ord(match.group()):02X}"
+
+
 def escape(key: str) -> str:
     """Percent-encode ``key`` (UTF-8) so that it contains no ``/``: injective."""
-    raw = key.encode("utf-8", "surrogatepass")
-    return "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in raw)
+    # Each UTF-8 byte as one latin-1 character, so the regex sees bytes (every call computes this).
+    raw = key.encode("utf-8", "surrogatepass").decode("latin-1")
+    return _UNSAFE.sub(_percent, raw)
 
 
 def token(key: str | None, seq: int) -> str:

@@ -16,8 +16,7 @@ that no timeout is ever set on them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -147,6 +146,23 @@ class Lane:
             return None
 
 
+class Borrowed:
+    """A borrowed lane as a context manager: returned to the pool unless the block raised
+    (a class, not a generator: every collective borrows one)."""
+
+    __slots__ = ("_lanes", "_lane")
+
+    def __init__(self, lanes: Lanes, lane: Lane) -> None:
+        self._lanes, self._lane = lanes, lane
+
+    def __enter__(self) -> Lane:
+        return self._lane
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self._lanes.release(self._lane)
+
+
 class Lanes:
     """A pool of lanes over one user store: one lane per concurrent caller."""
 
@@ -176,12 +192,9 @@ class Lanes:
         with self._lock:
             self._free.append(lane)
 
-    @contextmanager
-    def lane(self) -> Iterator[Lane]:
-        """Borrow a lane; one that saw an error is dropped, not reused."""
-        lane = self.acquire()
-        yield lane
-        self.release(lane)
+    def lane(self) -> Borrowed:
+        """``with lanes.lane() as lane``: borrow a lane; one that saw an error is dropped, not reused."""
+        return Borrowed(self, self.acquire())
 
     def close(self) -> None:
         with self._lock:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -38,7 +37,7 @@ from .errors import (
     one_line,
     timeout_error,
 )
-from .lanes import Lane, Lanes
+from .lanes import Borrowed, Lane, Lanes
 from .watcher import Watcher
 
 
@@ -241,16 +240,13 @@ class PyStoreCollectives(ControlCollectives):
         prefix = K.op_prefix(self._world, user_key, seq)
         return _Op(name, label, prefix, seconds, time.monotonic() + seconds)
 
-    @contextmanager
-    def _lane(self, op: _Op) -> Iterator[Lane]:
-        """Borrow a lane for ``op`` (dropped, not reused, after an error); failing to
-        open one (store gone) is a one-line CollectiveError."""
+    def _lane(self, op: _Op) -> Borrowed:
+        """``with self._lane(op) as lane``: borrow a lane for ``op`` (dropped, not reused, after
+        an error); failing to open one (store gone) is a one-line CollectiveError."""
         try:
-            lane = self._lanes.acquire()
+            return Borrowed(self._lanes, self._lanes.acquire())
         except Exception as exc:
             raise collective_error(op.name, op.label, f"store error: {one_line(str(exc))}") from None
-        yield lane
-        self._lanes.release(lane)
 
     def _arrive(self, op: _Op, lane: Lane) -> None:
         """Arrive at the op's barrier and wait for every rank (native or add/done)."""

@@ -26,8 +26,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import keys as K
@@ -79,6 +78,23 @@ class _Blocked:
     woken: bool = False
 
 
+class _BlockedScope:
+    """``with watcher.blocked(...)``: registers on entry, unregisters on exit (a class, not a
+    generator: it is entered on every blocking call)."""
+
+    __slots__ = ("_watcher", "_args", "_ident")
+
+    def __init__(self, watcher: Watcher, names_key: str, timeout: float, wake: Wake | None) -> None:
+        self._watcher = watcher
+        self._args = (names_key, timeout, wake)
+
+    def __enter__(self) -> None:
+        self._ident = self._watcher._enter_blocked(*self._args)
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        self._watcher._exit_blocked(self._ident, exc_type is None)
+
+
 @dataclass
 class _Beat:
     value: bytes | None = None
@@ -101,6 +117,7 @@ class Watcher:
         self._blocked: dict[int, _Blocked] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._running = False  # the thread is alive (set under the lock, by _start and _run)
         self._closed = False
         self._busy = False
         self._next_poll = 0.0
@@ -122,25 +139,24 @@ class Watcher:
         ``MAX_PENDING`` tasks are queued)."""
         with self._cv:
             self._start()
-            while len(self._tasks) >= MAX_PENDING and self._thread is not None and self._thread.is_alive():
+            while len(self._tasks) >= MAX_PENDING and self._running:
                 self._cv.notify_all()
                 self._cv.wait(0.1)
             self._tasks.append(task)
-            self._start()
             now = time.monotonic()
             self._active_until = now + LINGER
-            if self._sleeping and (
-                len(self._tasks) >= BATCH or self._wake_at is None or self._wake_at > now + TICK
-            ):
+            if self._sleeping and (len(self._tasks) >= BATCH or self._wake_at is None or self._wake_at > now + TICK):
                 self._cv.notify_all()
 
-    @contextmanager
-    def blocked(self, names_key: str, timeout: float, wake: Wake | None = None) -> Iterator[None]:
-        """Mark the caller as blocked in a collective whose NAMES log is ``names_key``;
-        ``wake(lane, notice)`` releases it on abort. A caller that named itself deletes the
-        log when the block exits normally."""
-        ident = next(self._ids)
+    def blocked(self, names_key: str, timeout: float, wake: Wake | None = None) -> _BlockedScope:
+        """Context manager: the caller is blocked in a collective whose NAMES log is
+        ``names_key``; ``wake(lane, notice)`` releases it on abort. A caller that named itself
+        deletes the log when the block exits normally."""
+        return _BlockedScope(self, names_key, timeout, wake)
+
+    def _enter_blocked(self, names_key: str, timeout: float, wake: Wake | None) -> int:
         with self._cv:
+            ident = next(self._ids)
             now = time.monotonic()
             if not self._blocked:
                 self._next_poll = now + POLL
@@ -151,15 +167,12 @@ class Watcher:
             first = min(entry.due, self._next_poll)
             if self._sleeping and (self._wake_at is None or self._wake_at > first):
                 self._cv.notify_all()
-        try:
-            yield
-        except BaseException:
-            with self._cv:
-                self._blocked.pop(ident, None)
-            raise
+        return ident
+
+    def _exit_blocked(self, ident: int, ok: bool) -> None:
         with self._cv:
             entry = self._blocked.pop(ident, None)
-        if entry is not None and entry.named:
+        if ok and entry is not None and entry.named:
             # This rank appended its name: once the op has succeeded nobody reads the NAMES
             # log, and the rank deletes it after its own append (the watcher keeps the order).
             # On a timeout it stays: the other ranks read it to name the missing ones.
@@ -181,7 +194,7 @@ class Watcher:
             self._cv.notify_all()
             while self._tasks or self._busy:
                 left = end - time.monotonic()
-                if left <= 0 or self._thread is None:
+                if left <= 0 or not self._running:
                     return not self._tasks
                 self._cv.wait(left)
         return True
@@ -197,7 +210,9 @@ class Watcher:
 
     # -- the thread --------------------------------------------------------------
     def _start(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
+        """Start the thread unless it runs (called with the lock held)."""
+        if not self._running:
+            self._running = True
             self._thread = threading.Thread(target=self._run, name="torch_ctrl-watcher", daemon=True)
             self._thread.start()
 
@@ -244,6 +259,7 @@ class Watcher:
             with self._cv:
                 self._tasks.clear()
                 self._busy = False
+                self._running = False
                 self._cv.notify_all()
             return
         while True:
@@ -268,6 +284,9 @@ class Watcher:
         if self._heartbeat is not None:
             # A closed rank is not dead: drop its heartbeat (peers skip missing ones).
             self._safely(lambda ln: ln.delete(self._hb_keys[self._rank]), lane)
+        with self._cv:
+            self._running = False
+            self._cv.notify_all()
 
     def _poll(self, lane: Lane) -> None:
         """One abort check (and, with liveness, one heartbeat read) for blocked callers."""
