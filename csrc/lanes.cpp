@@ -15,11 +15,14 @@ namespace torch_ctrl {
 namespace {
 constexpr double kTick = 0.001;  // smallest timeout handed to a store
 
+// One memcpy each way (the iterator-pair constructors copy byte by byte; a log read by
+// every rank is O(N) bytes).
 std::vector<uint8_t> bytes(const std::string& s) {
-  return std::vector<uint8_t>(s.begin(), s.end());
+  const auto* p = reinterpret_cast<const uint8_t*>(s.data());
+  return std::vector<uint8_t>(p, p + s.size());
 }
 std::string str(const std::vector<uint8_t>& v) {
-  return std::string(v.begin(), v.end());
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size());
 }
 std::chrono::milliseconds millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(std::max(seconds, kTick) * 1000.0 + 0.5));
