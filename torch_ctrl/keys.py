@@ -62,6 +62,9 @@ def group_root(world_size: int) -> str:
 
 
 _UNSAFE = re.compile("[^A-Za-z0-9._-]")
+_SAFE_ASCII = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+# ASCII keys (the usual case) are escaped by one str.translate call.
+_ASCII_TABLE = {c: f"%{c:02X}" for c in range(128) if chr(c) not in _SAFE_ASCII}
 
 
 def _percent(match: re.Match[str]) -> str:
@@ -70,7 +73,9 @@ def _percent(match: re.Match[str]) -> str:
 
 def escape(key: str) -> str:
     """Percent-encode ``key`` (UTF-8) so that it contains no ``/``: injective."""
-    # Each UTF-8 byte as one latin-1 character, so the regex sees bytes (every call computes this).
+    if key.isascii():
+        return key.translate(_ASCII_TABLE)
+    # Each UTF-8 byte as one latin-1 character, so the regex sees bytes.
     raw = key.encode("utf-8", "surrogatepass").decode("latin-1")
     return _UNSAFE.sub(_percent, raw)
 
