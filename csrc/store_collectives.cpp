@@ -599,12 +599,16 @@ void StoreCollectives::exit_later(
     const std::vector<std::string>& extra,
     const std::string& counter) {
   // NAMES logs are deleted by the ranks that wrote them (see Watcher::Blocked).
-  std::string exit_key = op.key(counter);
   std::vector<std::string> keys;
   for (const auto& f : fields) {
     keys.push_back(op.key(f));
   }
   keys.insert(keys.end(), extra.begin(), extra.end());
+  if (expected == 1) {  // the only participant (a broadcast's one receiver): nothing to count
+    delete_later(std::move(keys));
+    return;
+  }
+  std::string exit_key = op.key(counter);
   keys.push_back(exit_key);
   watcher_->submit([exit_key, expected, keys](Lane& lane) {
     // At or past kAbortBias the op was aborted: its keys stay (like a timed-out op's).

@@ -474,8 +474,12 @@ class PyStoreCollectives(ControlCollectives):
     ) -> None:
         """Count this rank out on ``counter``; the rank that brings it to ``expected`` deletes the
         op's keys (NAMES logs are deleted by the ranks that wrote them, see Watcher.blocked)."""
+        keys = [op.key(f) for f in fields] + list(extra)
+        if expected == 1:  # the only participant (a broadcast's one receiver): nothing to count
+            self._delete_later(keys)
+            return
         exit_key = op.key(counter)
-        keys = [op.key(f) for f in fields] + list(extra) + [exit_key]
+        keys.append(exit_key)
 
         def task(lane: Lane) -> None:
             # At or past ABORT_BIAS the op was aborted: its keys stay (like a timed-out op's).
