@@ -3,6 +3,7 @@
 #include "keys.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 
 namespace torch_ctrl {
@@ -12,10 +13,16 @@ double grace_period(double timeout) {
 }
 
 namespace {
+std::atomic<int64_t> live_watchers{0};
+
 std::chrono::steady_clock::duration secs(double s) {
   return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
 }
 } // namespace
+
+double tick() {
+  return kTick * std::max(1.0, static_cast<double>(live_watchers.load()) / kTickWatchers);
+}
 
 struct Watcher::State {
   std::shared_ptr<Lanes> lanes;
@@ -47,6 +54,7 @@ struct Watcher::State {
 
 Watcher::Watcher(std::shared_ptr<Lanes> lanes, int rank, int world_size, std::optional<double> heartbeat)
     : state_(std::make_shared<State>()), abort_key_(keys::abort_key(world_size)) {
+  ++live_watchers;
   state_->lanes = std::move(lanes);
   state_->rank = rank;
   state_->heartbeat = heartbeat;
@@ -62,6 +70,7 @@ Watcher::Watcher(std::shared_ptr<Lanes> lanes, int rank, int world_size, std::op
 }
 
 Watcher::~Watcher() {
+  --live_watchers;
   std::unique_lock<std::mutex> lock(state_->mutex);
   state_->closed = true;
   state_->cv.notify_all();
@@ -95,7 +104,7 @@ void Watcher::submit(Task task) {
   auto now = Clock::now();
   state_->active_until = now + secs(kLinger);
   if (state_->sleeping &&
-      (state_->tasks.size() >= kBatch || !state_->wake_at || *state_->wake_at > now + secs(kTick))) {
+      (state_->tasks.size() >= kBatch || !state_->wake_at || *state_->wake_at > now + secs(tick()))) {
     state_->cv.notify_all();
   }
 }
@@ -273,7 +282,7 @@ void Watcher::run(std::shared_ptr<State> st) {
       consider(st->next_beat);
     }
     if (now < st->active_until && !st->closed) {
-      consider(now + secs(kTick));
+      consider(now + secs(tick()));
     }
     std::deque<Task> tasks;
     if (!st->tasks.empty()) {

@@ -29,6 +29,9 @@ double grace_period(double timeout);
 constexpr size_t kMaxPending = 8;
 constexpr size_t kBatch = 4;
 constexpr double kTick = 0.1;
+constexpr double kTickWatchers = 16;
+// The active watcher's wake-up period in this process (kTick, longer past kTickWatchers).
+double tick();
 constexpr double kLinger = 1.0;
 constexpr double kPoll = 0.7;
 constexpr double kDeadAfter = 2.5;

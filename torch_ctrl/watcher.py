@@ -45,7 +45,10 @@ MAX_PENDING = 8
 BATCH = 4
 # While active (a collective in the last LINGER seconds), the thread wakes at least every
 # TICK seconds: callers then never need to wake it, and cleanup lags by at most TICK.
+# With more than TICK_WATCHERS live instances in the process the period grows with their
+# number, so a process's watchers wake at most TICK_WATCHERS / TICK times per second.
 TICK = 0.1
+TICK_WATCHERS = 16
 LINGER = 1.0
 # Abort poll period while a caller is blocked: wakes peers within 1 s at under
 # 2 store operations per second per blocked rank.
@@ -62,6 +65,11 @@ def _stop_all() -> None:
     inside a store call at shutdown would abort the process."""
     for watcher in list(_LIVE):
         watcher.close(flush_timeout=2.0)
+
+
+def tick() -> float:
+    """The active watcher's wake-up period in this process."""
+    return TICK * max(1.0, len(_LIVE) / TICK_WATCHERS)
 
 
 def grace_period(timeout: float) -> float:
@@ -145,7 +153,7 @@ class Watcher:
             self._tasks.append(task)
             now = time.monotonic()
             self._active_until = now + LINGER
-            if self._sleeping and (len(self._tasks) >= BATCH or self._wake_at is None or self._wake_at > now + TICK):
+            if self._sleeping and (len(self._tasks) >= BATCH or self._wake_at is None or self._wake_at > now + tick()):
                 self._cv.notify_all()
 
     def blocked(self, names_key: str, timeout: float, wake: Wake | None = None) -> _BlockedScope:
@@ -245,7 +253,7 @@ class Watcher:
                 if self._heartbeat is not None and not self._closed:
                     due.append(self._next_beat)
                 if now < self._active_until and not self._closed:
-                    due.append(now + TICK)
+                    due.append(now + tick())
                 self._wake_at = min(due) if due else None
                 self._sleeping = True
                 self._cv.wait(max(0.0, self._wake_at - now) if self._wake_at is not None else None)
