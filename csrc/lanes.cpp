@@ -125,10 +125,13 @@ void Lane::multi_set(const std::vector<std::string>& keys, const std::vector<std
 }
 
 void Lane::arm(double seconds) {
+  // Twin of Lane._arm: reset only when off by more than the slack (0.1% + 1 ms), to half the
+  // slack past `seconds`; a blocking call may time out up to the slack late, never early.
   seconds = std::max(seconds, kTick);
-  if (timeout != seconds) {
-    store->setTimeout(millis(seconds));
-    timeout = seconds;
+  double slack = 0.001 * seconds + 0.001;
+  if (timeout < 0 || timeout - seconds < 0 || timeout - seconds > slack) {
+    timeout = seconds + slack / 2;
+    store->setTimeout(millis(timeout));
   }
 }
 

@@ -98,10 +98,14 @@ class Lane:
 
     # -- blocking calls: ``seconds`` is the time left until the op's deadline --
     def _arm(self, seconds: float) -> None:
+        """Make the lane's timeout ``seconds``, give or take its slack (0.1% + 1 ms, never less):
+        it is reset only when off by more, to half the slack past ``seconds``, so back-to-back
+        ops with one timeout reuse it (a blocking call may time out up to the slack late)."""
         seconds = max(seconds, _TICK)
-        if self._timeout != seconds:
-            self.store.set_timeout(timedelta(seconds=seconds))
-            self._timeout = seconds
+        slack = 0.001 * seconds + 0.001
+        if self._timeout is None or not 0.0 <= self._timeout - seconds <= slack:
+            self._timeout = seconds + slack / 2
+            self.store.set_timeout(timedelta(seconds=self._timeout))
 
     def wait(self, keys: Sequence[str], seconds: float) -> None:
         try:
@@ -137,7 +141,11 @@ class Lane:
 
     def barrier(self, key: str, world_size: int, seconds: float) -> None:
         """TCPStore's server-side barrier: add 1 to ``key``, wait until it reaches ``world_size``."""
-        self.store.barrier(key, world_size, timedelta(seconds=max(seconds, _TICK)))
+        if self.owned:
+            self._arm(seconds)  # no timedelta per call: the barrier takes the lane's timeout
+            self.store.barrier(key, world_size)
+        else:
+            self.store.barrier(key, world_size, timedelta(seconds=max(seconds, _TICK)))
 
     def list_keys(self) -> list[str] | None:
         try:
