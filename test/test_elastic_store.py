@@ -269,12 +269,15 @@ def test_install_logs_once(caplog: pytest.LogCaptureFixture, monkeypatch: pytest
 class _Round:
     """A stand-in for torch's c10d handler after the join: one round on a real TCPStore."""
 
-    def __init__(self, server_port: int, rnd: int, rank: int, world: int, address: tuple[str, int]) -> None:
+    def __init__(
+        self, server_port: int, rnd: int, rank: int, world: int, address: tuple[str, int], shared: bool = False
+    ) -> None:
         from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 
         store = dist.PrefixStore(f"torch.rendezvous.job.{rnd}", dist.TCPStore("127.0.0.1", server_port))
         self._info = RendezvousInfo(store, rank, world, RendezvousStoreInfo(*address))
         self._state_holder = SimpleNamespace(state=SimpleNamespace(round=rnd))
+        self.use_agent_store = shared  # torch's default: the workers share one store across rounds
 
     def next_rendezvous(self):  # noqa: ANN201
         return self._info
@@ -297,3 +300,23 @@ def test_bootstrap_address_comes_from_node_0_of_the_same_round() -> None:
 
         assert run_ranks(2, node) == [(rnd, *node0, "ctrl")] * 2
     assert server.admin.num_keys() == 0  # the broadcasts' keys are gone
+
+
+def test_each_round_starts_with_a_clean_workers_store() -> None:
+    """torch shares one workers' store across rounds without a per-attempt prefix: the previous
+    attempt's keys (here a dead gloo peer's address) must be gone before new workers start,
+    while torch's rendezvous keys stay."""
+    from torch_ctrl.elastic.rendezvous import CtrlRendezvousHandler
+
+    rdzv, workers = Stores("tcp"), Stores("tcp")
+    workers.admin.set("default_pg/0//cpu/rank_1", "127.0.0.1:15748")
+    workers.admin.set("torch_ctrl/run/job/round0/torch_ctrl/1/w4/_/abort", "1:failed")
+    workers.admin.set("torch.rendezvous.job.0/state", "kept")
+
+    def node(rank: int) -> tuple[str, int]:
+        handler = CtrlRendezvousHandler(_Round(rdzv.port, 1, rank, 2, ("127.0.0.1", workers.port), shared=True))
+        boot = handler.next_rendezvous().bootstrap_store_info
+        return boot.master_addr, boot.master_port
+
+    assert run_ranks(2, node) == [("127.0.0.1", workers.port)] * 2
+    assert workers.admin.list_keys() == ["torch.rendezvous.job.0/state"]

@@ -89,8 +89,8 @@ def test_restart_recovers_with_one_attempt_number(mode: str, tmp_path: object) -
     """Rank 1 exits 3 on the first attempt only; with --max-restarts=1 the second attempt
     succeeds everywhere, and every worker of it sees the same TORCHELASTIC_RESTART_COUNT."""
     nodes = torchrun_two_nodes([mode, str(tmp_path / "failed-once")], max_restarts=1)  # type: ignore[operator]
-    for node in nodes:
-        assert node.returncode == 0, node.output
+    both = "\n".join(f"--- node {i} ---\n{node.output}" for i, node in enumerate(nodes))
+    assert [node.returncode for node in nodes] == [0, 0], both
     counts = [c for node in nodes for c in OK.findall(node.output)]
     assert counts == ["1"] * 4, "\n".join(node.output for node in nodes)
 

@@ -9,7 +9,12 @@ option (``--rdzv-conf is_host=...``, timeouts, ...) and adds:
   broadcast in the round's own namespace, so a round can never read an earlier round's
   address;
 * :attr:`CtrlRendezvousHandler.round`, exported to workers as ``TORCH_CTRL_ROUND`` and
-  ``TORCHELASTIC_RESTART_COUNT`` (the same on every node of a round).
+  ``TORCHELASTIC_RESTART_COUNT`` (the same on every node of a round);
+* a clean workers' store for every round: torch shares one TCPStore with the workers of all
+  rounds and prefixes nothing per attempt, so after a restart a fast node's new workers could
+  read the previous attempt's keys (e.g. gloo peer addresses of dead workers, "Connection
+  refused"). Node 0 deletes them once the new round is complete (every old worker has been
+  stopped by then) and before it sends the bootstrap address, i.e. before any new worker starts.
 
 The backend is registered through the ``torchrun.handlers`` entry point
 (:func:`handler_factory`); nothing else in this module runs at registration.
@@ -23,6 +28,20 @@ import torch.distributed as dist
 
 BACKEND = "ctrl"
 _BOOTSTRAP_TIMEOUT = 300.0
+# Keys of torch's c10d rendezvous itself, never deleted (in case it shares the workers' store).
+_RDZV_PREFIX = "torch.rendezvous."
+
+
+def clear_worker_store(addr: str, port: int, timeout: float = 60.0) -> int:
+    """Delete every key an earlier round's workers left in the shared workers' store
+    (``addr:port``), except torch's rendezvous keys; returns how many were deleted."""
+    from datetime import timedelta
+
+    store = dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout), wait_for_workers=False)
+    stale = [k for k in store.list_keys() if not k.startswith(_RDZV_PREFIX)]
+    for key in stale:
+        store.delete_key(key)
+    return len(stale)
 
 
 def handler_factory() -> Any:
@@ -74,6 +93,8 @@ class CtrlRendezvousHandler(_base()):  # type: ignore[misc]
         with coll:
             if info.rank == 0:
                 mine = info.bootstrap_store_info
+                if self.use_agent_store:
+                    clear_worker_store(mine.master_addr, mine.master_port)
                 text = f"{mine.master_addr}\n{mine.master_port}"
                 coll.broadcast_send(key="bootstrap", data=text, timeout=_BOOTSTRAP_TIMEOUT)
             else:
