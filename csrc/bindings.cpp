@@ -122,12 +122,16 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("all_gather",
            [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
-             std::vector<std::string> out;
+             torch_ctrl::Gathered out;
              {
                py::gil_scoped_release nogil;
                out = s.all_gather(key, data, timeout);
              }
-             return to_list(out);
+             py::list values(out.values.size());  // one bytes object per rank, copied from the log
+             for (size_t i = 0; i < out.values.size(); ++i) {
+               values[i] = py::bytes(out.values[i].data(), out.values[i].size());
+             }
+             return values;
            })
       .def("all_sum",
            [](StoreCollectives& s, const Key& key, int64_t data, double timeout) {

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cctype>
 #include <thread>
 #include <tuple>
@@ -216,10 +217,12 @@ std::string StoreCollectives::scatter_recv(const Key& key, double timeout) {
   return std::move(got.first);
 }
 
-std::vector<std::string> StoreCollectives::all_gather(const Key& key, const std::string& data, double timeout) {
+Gathered StoreCollectives::all_gather(const Key& key, const std::string& data, double timeout) {
   Op op = begin("all_gather", key, timeout);
   if (world_ == 1) {
-    return {data};
+    Gathered out;
+    out.values.emplace_back(out.storage.emplace_back(data));
+    return out;
   }
   return exchange(op, data);
 }
@@ -229,10 +232,16 @@ int64_t StoreCollectives::all_sum(const Key& key, int64_t data, double timeout) 
   if (world_ == 1) {
     return data;
   }
+  auto gathered = exchange(op, std::to_string(data));
   std::vector<int64_t> values;
   values.reserve(world_);
-  for (const auto& v : exchange(op, std::to_string(data))) {
-    values.push_back(std::stoll(v));
+  for (auto v : gathered.values) {
+    int64_t value = 0;
+    auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), value);
+    if (ec != std::errc() || ptr != v.data() + v.size()) {
+      throw CollectiveError(op.name, op.label, "unexpected value in the store (not written by torch_ctrl?)");
+    }
+    values.push_back(value);
   }
   return wrap_sum(values);
 }
@@ -314,14 +323,15 @@ void StoreCollectives::arrive(const Op& op, Lane& lane) {
   untag(op, lane, op.key(K::kDone), done);
 }
 
-std::vector<std::string> StoreCollectives::exchange(const Op& op, const std::string& payload) {
+Gathered StoreCollectives::exchange(const Op& op, const std::string& payload) {
   // On a TCPStore: one log, the server-side barrier, one read (O(N) server work).
   // Elsewhere: one slot per rank and one multi_get (fewest calls without a native barrier).
   if (!lanes_->native_barrier()) {
     return exchange_slots(op, payload);
   }
   std::string log_key = op.key(K::kLog);
-  std::vector<std::string> entries(world_);
+  Gathered out;
+  out.values.resize(world_);
   std::vector<char> seen(world_, 0);
   int found = 0;
   std::vector<std::string> garbage;
@@ -329,8 +339,8 @@ std::vector<std::string> StoreCollectives::exchange(const Op& op, const std::str
     LaneGuard lane(*lanes_, open_lane(op));
     lane->append(log_key, K::frame(rank_, stage(*lane, K::frame_key(log_key, rank_), payload)));
     arrive(op, *lane);
-    std::string log = lane->peek(log_key).value_or("");
-    // N frames per rank, so N^2 per op over the group: read them in place, one copy each.
+    const std::string& log = out.storage.emplace_back(lane->peek(log_key).value_or(""));
+    // N frames per rank, so N^2 per op over the group: views into the log, no copy per frame.
     for (const auto& f : K::frame_spans(log)) {
       if (f.rank < 0) {
         raise_abort(op, log.substr(f.start, f.size));
@@ -339,10 +349,10 @@ std::vector<std::string> StoreCollectives::exchange(const Op& op, const std::str
         continue;
       }
       if (f.size > 0 && log[f.start] == K::kTagData) {  // the common case: no chunk key to build
-        entries[f.rank].assign(log, f.start + 1, f.size - 1);
+        out.values[f.rank] = std::string_view(log).substr(f.start + 1, f.size - 1);
       } else {
         auto got = untag(op, *lane, K::frame_key(log_key, f.rank), log.substr(f.start, f.size));
-        entries[f.rank] = std::move(got.first);
+        out.values[f.rank] = out.storage.emplace_back(std::move(got.first));
         garbage.insert(garbage.end(), got.second.begin(), got.second.end());
       }
       seen[f.rank] = 1;
@@ -364,10 +374,10 @@ std::vector<std::string> StoreCollectives::exchange(const Op& op, const std::str
         "expected " + std::to_string(world_) + " entries, found ranks " + ranks +
             "] (is the key used by another group?)");
   }
-  return entries;
+  return out;
 }
 
-std::vector<std::string> StoreCollectives::exchange_slots(const Op& op, const std::string& payload) {
+Gathered StoreCollectives::exchange_slots(const Op& op, const std::string& payload) {
   std::vector<std::string> slots;
   for (int r = 0; r < world_; ++r) {
     slots.push_back(K::rank_slot(op.prefix, r));
@@ -380,7 +390,11 @@ std::vector<std::string> StoreCollectives::exchange_slots(const Op& op, const st
   }
   chunks.insert(chunks.end(), slots.begin(), slots.end());
   exit_later(op, world_, {}, chunks);
-  return values;
+  Gathered out;
+  for (auto& v : values) {
+    out.values.emplace_back(out.storage.emplace_back(std::move(v)));
+  }
+  return out;
 }
 
 std::string StoreCollectives::stage(Lane& lane, const std::string& key, const std::string& payload) {

@@ -9,12 +9,14 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <deque>
 #include <map>
 #include <set>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <unordered_set>
 #include <vector>
 
@@ -33,6 +35,13 @@ struct Op {
   double left() const;
 };
 
+// Every rank's payload of an all_gather/all_sum, by rank, without a copy per rank: views into
+// the log read once (or into payloads fetched on their own: chunked, or one slot per rank).
+struct Gathered {
+  std::deque<std::string> storage;  // what the views point into (a deque: stable addresses)
+  std::vector<std::string_view> values;
+};
+
 class StoreCollectives {
  public:
   StoreCollectives(
@@ -49,7 +58,7 @@ class StoreCollectives {
   std::vector<std::string> gather_recv(const Key& key, const std::string& data, double timeout);
   std::string scatter_send(const Key& key, const std::vector<std::string>& data, double timeout);
   std::string scatter_recv(const Key& key, double timeout);
-  std::vector<std::string> all_gather(const Key& key, const std::string& data, double timeout);
+  Gathered all_gather(const Key& key, const std::string& data, double timeout);
   int64_t all_sum(const Key& key, int64_t data, double timeout);
   void close(double flush_timeout);
   void abort(const std::string& reason);
@@ -63,8 +72,8 @@ class StoreCollectives {
   static Wake wake_set(std::vector<std::string> keys);
   void arrive(const Op& op, Lane& lane);
   // Every rank's payload, indexed by rank.
-  std::vector<std::string> exchange(const Op& op, const std::string& payload);
-  std::vector<std::string> exchange_slots(const Op& op, const std::string& payload);
+  Gathered exchange(const Op& op, const std::string& payload);
+  Gathered exchange_slots(const Op& op, const std::string& payload);
   // Write the chunks of `payload` (if any); return the tagged value to store at `key`.
   std::string stage(Lane& lane, const std::string& key, const std::string& payload);
   void put(Lane& lane, const std::string& key, const std::string& payload);
