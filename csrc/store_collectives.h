@@ -10,7 +10,6 @@
 
 #include <chrono>
 #include <deque>
-#include <map>
 #include <set>
 #include <memory>
 #include <mutex>

@@ -141,11 +141,10 @@ class Lane:
 
     def barrier(self, key: str, world_size: int, seconds: float) -> None:
         """TCPStore's server-side barrier: add 1 to ``key``, wait until it reaches ``world_size``."""
-        if self.owned:
-            self._arm(seconds)  # no timedelta per call: the barrier takes the lane's timeout
-            self.store.barrier(key, world_size)
-        else:
-            self.store.barrier(key, world_size, timedelta(seconds=max(seconds, _TICK)))
+        # Only TCPStore lanes have it, and those are always owned (clones): the barrier takes
+        # the lane's timeout, so no timedelta is built per call.
+        self._arm(seconds)
+        self.store.barrier(key, world_size)
 
     def list_keys(self) -> list[str] | None:
         try:

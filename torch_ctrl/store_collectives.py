@@ -194,7 +194,12 @@ class PyStoreCollectives(ControlCollectives):
         if self._world == 1:
             return value
         entries = self._exchange(op, b"%d" % value)
-        return wrap_int64(sum(int(v) for v in entries.values()))
+        try:
+            return wrap_int64(sum(int(v) for v in entries.values()))
+        except ValueError:
+            raise collective_error(
+                op.name, op.label, "unexpected value in the store (not written by torch_ctrl?)"
+            ) from None
 
     def abort(self, reason: str = "") -> None:
         """Mark the group (every instance on this store namespace and world size) as failed by

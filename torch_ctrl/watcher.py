@@ -151,6 +151,7 @@ class Watcher:
                 self._cv.notify_all()
                 self._cv.wait(0.1)
             self._tasks.append(task)
+            self._start()  # the thread may have exited while we waited (like the C++ twin)
             now = time.monotonic()
             self._active_until = now + LINGER
             if self._sleeping and (len(self._tasks) >= BATCH or self._wake_at is None or self._wake_at > now + tick()):
