@@ -31,6 +31,20 @@ def torchrun_args(argv: list[str]) -> list[str]:
     return extra + args
 
 
+def register_backend() -> None:
+    """Register the ``ctrl`` rendezvous backend with torch in this process, where torch did
+    not already find it through the ``torchrun.handlers`` entry point (e.g. a package run from
+    a source checkout without metadata)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    from .elastic.rendezvous import BACKEND, create_handler
+
+    try:
+        rendezvous_handler_registry.register(BACKEND, create_handler)
+    except ValueError:
+        pass  # registered already (the entry point): same backend
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run torchrun with the ctrl defaults."""
     from torch.distributed import run as torchrun
@@ -38,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     from .elastic import install
 
     install()
+    register_backend()
     torchrun.main(torchrun_args(sys.argv[1:] if argv is None else argv))
 
 
