@@ -13,6 +13,7 @@ from .errors import (
     CollectiveTimeoutError,
     KeyReusedError,
 )
+from .inspection import inspect
 from .loader import StoreCollectives, backend, import_error
 from .naming import RankNamed, with_rank_names
 from .store_collectives import PyStoreCollectives
@@ -32,6 +33,7 @@ __all__ = [
     "backend",
     "from_env",
     "import_error",
+    "inspect",
     "register",
     "with_rank_names",
 ]

@@ -1,0 +1,398 @@
+"""``torch_ctrl.inspect`` / ``torch-ctrl inspect``: real groups stuck in every collective
+(threads and processes), a SIGKILLed rank with heartbeats on, an aborted group, a store
+that cannot list its keys, a 512-rank group's keys, a torchrun job stuck in a worker
+barrier; and proof that inspecting writes nothing."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from helpers import HOST, DictStore, Node, Stores, free_port
+
+import torch_ctrl
+from torch_ctrl import CollectiveAbortedError, StoreCollectives
+from torch_ctrl import keys as K
+from torch_ctrl.inspect_text import render
+from torch_ctrl.inspection import Inspector
+
+WORLD = 4
+OPS = ("barrier", "broadcast", "gather", "scatter", "all_gather", "all_sum")
+
+
+def poll(fn: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    """``fn()`` until it returns something truthy, for at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(0.05)  # polling an observable state: nothing to wait on
+    raise AssertionError(f"{what} not reached within {timeout}s; last: {last!r}")
+
+
+def dump(store: dist.Store) -> dict[str, bytes]:
+    """Every key and value of a TCPStore (list_keys + multi_get)."""
+    keys = sorted(store.list_keys())
+    return dict(zip(keys, (bytes(v) for v in store.multi_get(keys)))) if keys else {}
+
+
+def ops_by_key(report: dict[str, Any], world: int = WORLD) -> dict[str, dict[str, Any]]:
+    return {op["key"]: op for g in report["groups"] if g["world_size"] == world for op in g["in_flight"]}
+
+
+def block(coll: Any, rank: int, op: str, timeout: float = 60) -> None:
+    """Enter ``op`` under key ``op`` (the ranks of EXPECTED) and stay blocked until released."""
+    try:
+        if op == "barrier":
+            coll.barrier(op, timeout)
+        elif op == "broadcast":
+            coll.broadcast_recv(op, timeout)
+        elif op == "gather":
+            coll.gather_recv(op, b"x", timeout) if rank == 0 else coll.gather_send(op, b"x", timeout)
+        elif op == "scatter":
+            coll.scatter_recv(op, timeout)
+        elif op == "all_gather":
+            coll.all_gather(op, b"host-%d" % rank, timeout)
+        else:
+            coll.all_sum(op, rank, timeout)
+    except CollectiveAbortedError:
+        pass  # the test's release
+
+
+# op -> (ranks taking part, expected kind in candidates, arrived, blocked, missing)
+EXPECTED = {
+    "barrier": ((0, 1, 3), "barrier", 3, [0, 1, 3], [2]),
+    "broadcast": ((1, 2), "broadcast", 2, [1, 2], [0, 3]),
+    "gather": ((0, 1), "gather", 2, [0], [2, 3]),
+    "scatter": ((2, 3), "scatter", 2, [2, 3], [0, 1]),
+    "all_gather": ((0, 2), "all_gather", 2, [0, 2], [1, 3]),
+    "all_sum": ((1, 3), "all_sum", 2, [1, 3], [0, 2]),
+}
+
+
+def stuck_everywhere(report: dict[str, Any]) -> bool:
+    ops = ops_by_key(report)
+    return all(k in ops and ops[k]["blocked"] == exp[3] for k, exp in EXPECTED.items())
+
+
+def check_stuck(report: dict[str, Any]) -> None:
+    ops = ops_by_key(report)
+    for key, (_, kind, arrived, blocked, missing) in EXPECTED.items():
+        op = ops[key]
+        assert kind in op["candidates"] and kind in op["op"], op
+        assert (op["arrived"], op["blocked"], op["missing"]) == (arrived, blocked, missing), op
+        assert op["world_size"] == WORLD and op["pending_s"] >= 0
+    assert ops["barrier"]["op"] == "barrier"
+    assert ops["all_gather"]["op"] == "all_gather" and ops["all_sum"]["op"] == "all_sum"
+    assert ops["gather"]["op"] == "gather" and ops["gather"]["root"] == 0
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["tcp", "tcp_nolibuv", "prefix"])
+def test_threads_stuck_in_every_collective_then_aborted(kind: str) -> None:
+    stores = Stores(kind)
+    colls = [StoreCollectives(stores.client(r), r, WORLD) for r in range(WORLD)]
+    threads = [
+        threading.Thread(target=block, args=(colls[r], r, op), daemon=True)
+        for op, (ranks, *_) in EXPECTED.items()
+        for r in ranks
+    ]
+    for t in threads:
+        t.start()
+    admin = stores.admin
+    report = poll(lambda: (lambda r: r if stuck_everywhere(r) else None)(torch_ctrl.inspect(admin, interval=0)))
+    check_stuck(report)
+    group = report["groups"][0]
+    assert group["abort"] is None and group["heartbeats"] is None and group["prefix"] == ""
+
+    # Through the server's address, two samples: the same ops, seen pending for the interval,
+    # without progress; a PrefixStore's groups carry its prefix.
+    report = torch_ctrl.inspect(f"{HOST}:{stores.port}", interval=0.3)
+    group = report["groups"][0]
+    if kind == "prefix":
+        assert group["prefix"] == "job/" and group["namespace"] == {"kind": "prefix"}
+    check_stuck(report)
+    for op in ops_by_key(report).values():
+        assert op["pending_s"] >= 0.3 and op["unchanged_s"] == op["pending_s"]
+    text = render(report)
+    assert "barrier 'barrier'; 3/4 arrived; blocked: [0, 1, 3]; missing: [2]" in text, text
+    assert "all_sum" in text and "gather 'gather'" in text
+
+    # The abort: every blocked rank is released, and the report names who and why.
+    colls[3].abort("disk full")
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    report = torch_ctrl.inspect(admin, interval=0)
+    group = report["groups"][0]
+    assert group["abort"] == {"rank": 3, "reason": "disk full"}
+    assert "ABORTED by rank 3: disk full" in render(report)
+    if kind != "prefix":  # TCPStore path: the barrier counter carries the abort
+        assert ops_by_key(report)["barrier"]["aborted"]
+    for c in colls:
+        c.close()
+
+
+def test_inspecting_writes_nothing() -> None:
+    """Byte-for-byte the same store before and after, with ops in flight, heartbeats, an
+    abort notice and torchrun-like keys; and only read calls reach a Python store."""
+    stores = Stores("tcp")
+    colls = [StoreCollectives(stores.client(r), r, WORLD) for r in range(WORLD)]
+    threads = [
+        threading.Thread(target=block, args=(colls[r], r, op), daemon=True)
+        for op, (ranks, *_) in EXPECTED.items()
+        for r in ranks
+    ]
+    for t in threads:
+        t.start()
+    admin = stores.admin
+    poll(lambda: stuck_everywhere(torch_ctrl.inspect(admin, interval=0)))
+    admin.set(K.group_key(2, "hb/0"), b"7")  # a second group: heartbeat counters, an abort notice
+    admin.set(K.group_key(2, "hb/1"), b"9")
+    admin.set(K.abort_key(2), b"1:gone")
+    admin.set("torch.rendezvous.r1", b"Y2FuaW1hZGFt")
+    before = dump(admin)
+    report = torch_ctrl.inspect(f"{HOST}:{stores.port}", interval=0.2)
+    assert dump(admin) == before
+    assert {g["world_size"] for g in report["groups"]} == {2, WORLD}
+    assert report["torchrun"][0]["run_id"] == "r1" and report["torchrun"][0]["state"] is None
+
+    class Recording(DictStore):
+        calls: set[str] = set()
+
+        def __getattribute__(self, name: str) -> Any:
+            if not name.startswith("_"):
+                type(self).calls.add(name)
+            return super().__getattribute__(name)
+
+    py = Recording()
+    for key, value in before.items():
+        py.set(key, value)
+    Recording.calls.clear()
+    torch_ctrl.inspect(py, interval=0.1, prefix="torch_ctrl/1/w2/")
+    assert Recording.calls <= {"check", "get", "multi_get", "list_keys", "num_keys", "clone", "set_timeout"}
+    colls[0].abort("test over")
+    for t in threads:
+        t.join(30)
+    for c in colls:
+        c.close()
+
+
+def _process_rank(port: int, rank: int, ops: list[str], ready: Any, done: Any) -> None:
+    import threading
+
+    import torch.distributed as dist
+
+    from torch_ctrl import StoreCollectives
+
+    coll = StoreCollectives(dist.TCPStore("127.0.0.1", port, is_master=False), rank, WORLD)
+    threads = [threading.Thread(target=block, args=(coll, rank, op), daemon=True) for op in ops]
+    for t in threads:
+        t.start()
+    ready.put(rank)
+    for t in threads:
+        t.join(60)
+    coll.close()
+    done.put(rank)
+
+
+@pytest.mark.timeout(120)
+def test_processes_stuck_in_every_collective() -> None:
+    """The same ops as the threads test, each rank a spawned process."""
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Queue(), ctx.Queue()
+    plan = {r: [op for op, (ranks, *_) in EXPECTED.items() if r in ranks] for r in range(WORLD)}
+    procs = [ctx.Process(target=_process_rank, args=(server.port, r, plan[r], ready, done)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            ready.get(timeout=60)
+        report = poll(
+            lambda: (lambda r: r if stuck_everywhere(r) else None)(
+                torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0)
+            )
+        )
+        check_stuck(report)
+        StoreCollectives(dist.TCPStore(HOST, server.port, is_master=False), 0, WORLD).abort("release")
+        for _ in procs:
+            done.get(timeout=60)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def _beating_rank(port: int, rank: int, ready: Any, release: Any) -> None:
+    import threading
+
+    import torch.distributed as dist
+
+    from torch_ctrl import CollectiveAbortedError, StoreCollectives
+
+    coll = StoreCollectives(dist.TCPStore("127.0.0.1", port, is_master=False), rank, 3, heartbeat_interval=0.2)
+    ready.put(rank)
+    if rank == 2:  # SIGKILLed by the test; never touches a queue's lock again (it would die holding it)
+        threading.Event().wait(120)
+        return
+    try:
+        coll.barrier("wait-for-2", timeout=60)
+    except CollectiveAbortedError as exc:
+        ready.put(("aborted", rank, exc.rank))
+    release.get(timeout=60)  # keep beating until the test has looked
+    coll.close()
+
+
+@pytest.mark.timeout(120)
+def test_sigkilled_rank_with_heartbeats() -> None:
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    ready, release = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_beating_rank, args=(server.port, r, ready, release)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        assert sorted(ready.get(timeout=60) for _ in procs) == [0, 1, 2]
+        before = torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0.6)
+        hb = before["groups"][0]["heartbeats"]
+        assert hb["stopped"] == [] and [r["status"] for r in hb["ranks"]] == ["ok"] * 3, hb
+        os.kill(procs[2].pid, signal.SIGKILL)
+        procs[2].join(10)
+        report = torch_ctrl.inspect(f"{HOST}:{server.port}", interval=1.0)
+        hb = report["groups"][0]["heartbeats"]
+        assert hb["stopped"] == [2], hb
+        dead = hb["ranks"][2]
+        assert dead["status"] == "stopped" and dead["age_s"] >= 1.0 and dead["others_beats_since"] >= 3
+        assert "STOPPED: [2]" in render(report)
+        # The blocked peers declare rank 2 dead themselves (within 5 intervals) and abort.
+        aborted = poll(
+            lambda: (lambda g: g["abort"])(torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0)["groups"][0])
+        )
+        assert aborted["rank"] == 2 and "no heartbeat" in aborted["reason"]
+        assert ready.get(timeout=30)[0] == "aborted"
+    finally:
+        for _ in procs:
+            release.put(None)
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def test_store_that_cannot_list_keys() -> None:
+    store = DictStore()  # like EtcdStore: no list_keys
+    coll = StoreCollectives(store, 0, 2, heartbeat_interval=timedelta(seconds=30))
+    coll.abort("node lost")
+    report = torch_ctrl.inspect(store, interval=0)
+    assert not report["enumerable"]
+    assert "cannot list its keys" in report["limitations"][0]
+    assert "cannot list its keys" in render(report)
+    group = report["groups"][0]
+    assert group["world_size"] == 2 and group["abort"] == {"rank": 0, "reason": "node lost"}
+    assert [r["rank"] for r in group["heartbeats"]["ranks"]] == [0]
+    coll.close()
+    # Under a prefix, as from_env() namespaces a round.
+    prefixed = StoreCollectives(dist.PrefixStore("torch_ctrl/run/-/round3", store), 1, 3)
+    prefixed.abort("x")
+    report = torch_ctrl.inspect(store, interval=0, prefix="torch_ctrl/run/-/round3/")
+    assert [(g["world_size"], g["abort"]["reason"]) for g in report["groups"]] == [(3, "x")]
+    assert report["groups"][0]["namespace"] == {"kind": "workers", "run_id": None, "round": 3}
+
+
+def test_512_ranks_and_thousands_of_finished_ops_in_under_a_second() -> None:
+    """The keys a 512-rank group writes (heartbeats, a barrier 500/512 arrived, an all_gather
+    log of 300 frames) next to 3000 finished ops' leftover keys: one sample in under a second,
+    and a readable text (rank lists folded)."""
+    n = 512
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    writer = dist.TCPStore(HOST, server.port, is_master=False)
+    root = K.group_root(n)
+    keys, values = [], []
+    keys += [K.group_key(n, f"hb/{r}") for r in range(n)]
+    values += [b"5"] * n
+    keys += [f"{root}/kstep/{K.ARRIVE}", f"{root}/kstep/{K.NAMES}"]
+    values += [b"500", b"".join(b"%d," % r for r in range(500))]
+    keys += [f"{root}/khosts/{K.LOG}", f"{root}/khosts/{K.ARRIVE}"]
+    values += [b"".join(K.frame(r, b"Dhost-%d" % r) for r in range(300)), b"300"]
+    for i in range(3000):  # finished ops: counters at N awaiting their deletion, exit counters
+        keys.append(f"{root}/s{i}/{K.ARRIVE if i % 2 else K.EXIT}")
+        values.append(b"%d" % n)
+    writer.multi_set(keys, values)
+    report = torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0.2)
+    assert report["client_s"] < 1.0, report["client_s"]
+    group = report["groups"][0]
+    ops = ops_by_key(report, n)
+    assert set(ops) == {"step", "hosts"} and group["finished_awaiting_cleanup"] == 3000
+    assert ops["step"]["arrived"] == 500 and ops["step"]["missing"] == list(range(500, 512))
+    assert ops["hosts"]["arrived"] == 300 and len(ops["hosts"]["missing"]) == 212
+    text = render(report)
+    assert len(text.splitlines()) < 30, text
+    assert "and 196 more" in text and max(len(line) for line in text.splitlines()) < 400
+    assert "heartbeats: 512/512 ranks beating" in text
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_job_stuck_in_a_worker_barrier() -> None:
+    """One torchrun node (ctrl backend, 3 workers); rank 1 never reaches the barrier the others
+    wait in. Inspecting the rendezvous endpoint shows the run, its round, the node, and (through
+    the workers' store it names) the stuck barrier."""
+    port = free_port()
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun", "stuck_worker.py")
+    args = [
+        "--nnodes=1",
+        "--nproc-per-node=3",
+        "--rdzv-backend=ctrl",
+        f"--rdzv-endpoint={HOST}:{port}",
+        "--rdzv-id=inspectme",
+        "--monitor-interval=0.1",
+        script,
+    ]
+    node = Node(args, {"RES_OPTIONS": "timeout:1 attempts:1"}, ["-m", "torch.distributed.run"])
+    try:
+        node.wait_for("RANK 1 STALLING", 90)
+
+        insp = Inspector(f"{HOST}:{port}", timeout=30)  # one connection for every poll
+
+        def stuck() -> dict[str, Any] | None:
+            report = insp.sample()
+            workers = [g for g in report["groups"] if g["namespace"]["kind"] == "workers"]
+            ops = [op for g in workers for op in g["in_flight"] if op["blocked"] == [0, 2]]
+            return report if ops else None
+
+        report = poll(stuck, 60, "workers blocked in the barrier")
+        run = report["torchrun"][0]
+        assert run["run_id"] == "inspectme" and run["rendezvous"] == "ctrl"
+        assert run["round"] == 0 and run["failure"] is None
+        assert run["state"]["complete"] and len(run["state"]["nodes"]) == 1
+        assert run["workers_store"] and run["workers_store_error"] is None
+        workers = next(g for g in report["groups"] if g["namespace"]["kind"] == "workers")
+        assert workers["namespace"] == {"kind": "workers", "run_id": "inspectme", "round": 0}
+        op = workers["in_flight"][0]
+        assert (op["op"], op["key"], op["arrived"], op["missing"]) == ("barrier", "stuck", 2, [1])
+        agents = next(g for g in report["groups"] if g["namespace"]["kind"] == "agents")
+        assert agents["world_size"] == 1 and agents["heartbeats"] is not None
+        out = subprocess.run(
+            [sys.executable, "-m", "torch_ctrl", "inspect", f"{HOST}:{port}", "--interval", "0", "--timeout", "30"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "torchrun run 'inspectme' (ctrl rendezvous): round 0" in out.stdout
+        assert "barrier 'stuck'; 2/3 arrived; blocked: [0, 2]; missing: [1]" in out.stdout, out.stdout
+    finally:
+        node.kill()

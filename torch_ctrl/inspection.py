@@ -1,0 +1,687 @@
+"""See a live job: :func:`inspect` decodes a store's torch_ctrl keys (``docs/protocol.md``).
+
+It connects as a plain client and **writes nothing**: it lists the keys (``list_keys``),
+checks which exist (``check``) and reads them (``multi_get``/``get`` after ``check``), on a
+clone of the store whose timeout it may set (the caller's store object is not touched).
+From that it reports, for every group found (key prefix x world size):
+
+* each collective in flight: op, the user's key decoded from its token, ``k/N`` arrived,
+  the ranks blocked in it (its NAMES log) and the ranks missing, and for how long it has
+  been seen pending (the protocol records no times: two samples, or ``--watch``);
+* heartbeats: how long since each rank's counter last moved, and which ranks stopped;
+* the abort notice (rank and reason);
+* under torchrun (``ctrl`` backend): the run, its rounds, the nodes of the current round
+  (from torch's own rendezvous state), the agents' failure notice, and the workers' store,
+  which is inspected too.
+
+The result is one JSON-serializable dict (schema ``torch_ctrl.inspect/1``, documented in
+``docs/inspect.md``); :func:`torch_ctrl.inspect_text.render` prints it for humans.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Union
+from urllib.parse import unquote_to_bytes
+
+import torch.distributed as dist
+
+from . import keys as K
+from . import rdzv_state as R
+
+SCHEMA = "torch_ctrl.inspect/1"
+STOPPED_AFTER = 3  # beats of another rank seen while a rank's counter stood still
+MAX_PROBE_WORLD = 1024  # world sizes probed on stores that cannot list their keys
+_BATCH = 2048  # keys per check + multi_get
+_KEY = re.compile(r"^(.*?)" + re.escape(K.PROTOCOL) + r"/w(\d+)/([^/]+)/(.+)$")
+_SLOT = re.compile(r"^r(\d+)$")
+_READ_FIELDS = (K.ARRIVE, K.EXIT, K.NAMES, K.LOG)
+_AGENTS = "/torch_ctrl/agents/"
+_WORKERS = re.compile(r"^torch_ctrl/run/([^/]+)/(?:round(\d+)|restart(\d+))/$")
+
+StoreLike = Union[dist.Store, str]
+
+
+# ---------------------------------------------------------------------------- decoding
+
+
+def decode_token(token: str) -> str:
+    """The user's key of an op token (``'#17'`` for the 18th keyless call; a hashed key
+    cannot be decoded and reads ``<sha256 …>``)."""
+    if token.startswith("k"):
+        return unquote_to_bytes(token[1:]).decode("utf-8", "replace")
+    if token.startswith("s") and token[1:].isdigit():
+        return f"#{token[1:]}"
+    if token.startswith("h"):
+        return f"<sha256 {token[1:13]}…>"
+    return token
+
+
+def describe_prefix(prefix: str) -> dict[str, Any]:
+    """What a group's key prefix means: ``kind`` is ``agents`` (torchrun agents of one
+    rendezvous round), ``workers`` (``from_env()`` in one round), ``plain`` (no prefix) or
+    ``prefix`` (a PrefixStore of the user's)."""
+    if not prefix:
+        return {"kind": "plain"}
+    if prefix.startswith(R.RDZV_PREFIX) and prefix.endswith(_AGENTS):
+        split = R.split_key(prefix)
+        if split is not None and split[2] == _AGENTS[1:]:
+            return {"kind": "agents", "run_id": split[0], "round": split[1]}
+    m = _WORKERS.match(prefix)
+    if m:
+        run = unquote_to_bytes(m.group(1)).decode("utf-8", "replace")
+        out: dict[str, Any] = {"kind": "workers", "run_id": None if run == "-" else run}
+        if m.group(2) is not None:
+            out["round"] = int(m.group(2))
+        elif m.group(3) is not None:
+            out["restart"] = int(m.group(3))
+        return out
+    if prefix.startswith("torch_ctrl/run/-/"):
+        return {"kind": "workers", "run_id": None}
+    return {"kind": "prefix"}
+
+
+@dataclass
+class _OpKeys:
+    fields: set[str] = field(default_factory=set)
+    slots: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _GroupKeys:
+    prefix: str
+    world: int
+    ops: dict[str, _OpKeys] = field(default_factory=dict)
+    beats: dict[int, str] = field(default_factory=dict)  # rank -> key
+    abort: str | None = None
+
+
+def _new_run() -> dict[str, Any]:
+    # state_key: c10d's pickled state; master: c10d's MASTER_ADDR/PORT per round; native: the
+    # ctrl rendezvous's (round, rest) key names
+    return {"state_key": None, "rounds": set(), "master": {}, "native": []}
+
+
+def _parse(keys: Iterable[str]) -> tuple[dict[tuple[str, int], _GroupKeys], dict[str, dict[str, Any]]]:
+    """Sort keys into groups (prefix, world size) and torchrun runs."""
+    groups: dict[tuple[str, int], _GroupKeys] = {}
+    runs: dict[str, dict[str, Any]] = {}
+    for key in keys:
+        m = _KEY.match(key)
+        if m is None:
+            native = R.split_native(key)
+            if native is not None:
+                run = runs.setdefault(native[0], _new_run())
+                run["native"].append(native[1:])
+                if native[1] is not None:
+                    run["rounds"].add(native[1])
+                continue
+            split = R.split_key(key)
+            if split is not None:
+                run = runs.setdefault(split[0], _new_run())
+                if split[1] is None:
+                    run["state_key"] = key
+                else:
+                    run["rounds"].add(split[1])
+                    if split[2] in (R.MASTER_ADDR, R.MASTER_PORT):
+                        run["master"][(split[1], split[2])] = key
+            continue
+        prefix, world, token, rest = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+        group = groups.get((prefix, world))
+        if group is None:
+            group = groups[(prefix, world)] = _GroupKeys(prefix, world)
+        split = R.split_key(prefix)
+        if split is not None and split[1] is not None:
+            runs.setdefault(split[0], _new_run())["rounds"].add(split[1])
+        if token == "_":
+            if rest == "abort":
+                group.abort = key
+            elif rest.startswith("hb/") and rest[3:].isdigit():
+                group.beats[int(rest[3:])] = key
+            continue
+        op = group.ops.get(token)
+        if op is None:
+            op = group.ops[token] = _OpKeys()
+        slot = _SLOT.match(rest)
+        if slot is not None:
+            op.slots.add(int(slot.group(1)))
+        elif "/" not in rest:
+            op.fields.add(rest)
+        # chunk keys (".../c{i}", "g/{rank}/c{i}") only say a payload is large: not read
+    return groups, runs
+
+
+def _int(value: bytes | None) -> int | None:
+    if value is None or not value.lstrip(b"-").isdigit():
+        return None
+    return int(value)
+
+
+def _is_int_payload(value: bytes) -> bool:
+    """Whether a tagged value/frame payload is what all_sum writes (``D`` + canonical decimal)."""
+    if value[:1] != K.TAG_DATA:
+        return False
+    text = value[1:]
+    return text.lstrip(b"-").isdigit() and text == b"%d" % int(text)
+
+
+def _classify(
+    world: int, op: _OpKeys, values: dict[str, bytes | None], key_of: Any, slot_heads: list[bytes]
+) -> dict[str, Any] | None:
+    """What one op's keys say: ``None`` for a finished op whose keys await cleanup."""
+    fields = op.fields
+    counter = _int(values.get(key_of(K.ARRIVE))) if K.ARRIVE in fields else None
+    names_raw = values.get(key_of(K.NAMES)) if K.NAMES in fields else None
+    blocked = sorted(K.parse_names(names_raw)) if names_raw else []
+    blocked = [r for r in blocked if 0 <= r < world]
+    exits = _int(values.get(key_of(K.EXIT))) if K.EXIT in fields else None
+    out: dict[str, Any] = {"blocked": blocked, "aborted": counter is not None and counter >= K.ABORT_BIAS}
+    present: set[int] | None = None
+    if K.LOG in fields:  # all_gather / all_sum on a TCPStore: the log's frames carry ranks
+        frames = K.parse_frames(values.get(key_of(K.LOG)) or b"")
+        if counter is not None and world <= counter < K.ABORT_BIAS:
+            return None
+        payloads = [p for r, p in frames if r >= 0]
+        out["aborted"] = out["aborted"] or any(r < 0 for r, _ in frames)
+        is_sum = bool(payloads) and all(_is_int_payload(p) for p in payloads)
+        out["op"], out["candidates"] = (
+            ("all_sum", ["all_sum", "all_gather"]) if is_sum else ("all_gather", ["all_gather"])
+        )
+        present = {r for r, _ in frames if 0 <= r < world}
+    elif K.ARRIVE in fields:  # barrier (TCPStore counter, or the generic add/done)
+        if K.DONE in fields or (counter is not None and world <= counter < K.ABORT_BIAS):
+            return None
+        out["op"], out["candidates"] = "barrier", ["barrier"]
+        arrived = min(counter or 0, world) if not out["aborted"] else None
+        out["arrived"] = arrived
+        named = set(blocked)
+        out["missing"] = [r for r in range(world) if r not in named]
+        out["unnamed"] = max(0, (arrived or 0) - len(named))
+        return out
+    elif op.slots:
+        slots = {r for r in op.slots if 0 <= r < world}
+        roots = [r for r in blocked if r not in slots]
+        if len(slots) >= world:
+            return None  # every rank's slot is there: a finished all_gather/all_sum (generic)
+        if roots:  # a blocked rank without a slot: the root of a gather
+            out["op"], out["candidates"] = "gather", ["gather"]
+            out["root"] = roots[0]
+            present = slots | set(roots)
+        elif blocked:  # every blocked rank wrote its slot: all_gather / all_sum (generic)
+            is_sum = bool(slot_heads) and all(_is_int_payload(h) for h in slot_heads)
+            out["op"], out["candidates"] = (
+                ("all_sum", ["all_sum", "all_gather"]) if is_sum else ("all_gather", ["all_gather"])
+            )
+            present = slots
+        else:  # slots and nobody waiting: a gather whose root has not come, or an untaken scatter
+            out["op"], out["candidates"] = "gather|scatter", ["gather", "scatter"]
+            out["slots"] = sorted(slots)
+            out["arrived"], out["missing"], out["unnamed"] = None, None, 0
+            out["detail"] = f"slots written for {len(slots)} rank(s), nobody blocked"
+            return out
+    elif K.DONE in fields:  # a broadcast the root has sent: receivers count out on x
+        receivers = world - 1
+        taken = exits or 0
+        if taken >= receivers:
+            return None
+        out["op"], out["candidates"] = "broadcast", ["broadcast"]
+        out["arrived"], out["missing"], out["unnamed"] = None, None, 0
+        out["detail"] = f"sent; {taken}/{receivers} receivers took it"
+        return out
+    elif blocked:  # receivers waiting for a root that has not sent
+        cands = ["broadcast", "scatter"] + (["gather"] if len(blocked) == 1 else [])
+        out["op"], out["candidates"] = "|".join(cands), cands
+        out["arrived"] = len(blocked)
+        out["missing"] = [r for r in range(world) if r not in set(blocked)]
+        out["unnamed"] = 0
+        out["detail"] = "waiting for the root to send"
+        return out
+    else:
+        return None  # only an exit counter: a finished op being cleaned up
+    assert present is not None
+    out["arrived"] = len(present)
+    out["missing"] = [r for r in range(world) if r not in present]
+    out["unnamed"] = 0
+    return out
+
+
+# ------------------------------------------------------------------------------ reading
+
+
+def _clone(store: dist.Store, timeout: float) -> dist.Store:
+    """A connection of our own (so its timeout can be set), or the store itself."""
+    try:
+        mine = store.clone()
+    except Exception:  # noqa: BLE001 - stores without clone() are read as they are
+        return store
+    try:
+        mine.set_timeout(timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 - keep its own timeout
+        pass
+    return mine
+
+
+def read_values(store: dist.Store, keys: Sequence[str]) -> dict[str, bytes | None]:
+    """``{key: value or None}`` without waiting and without writing: ``check`` then
+    ``multi_get`` per batch; a key deleted between the two falls back to one key at a time."""
+    out: dict[str, bytes | None] = {}
+    for start in range(0, len(keys), _BATCH):
+        batch = list(keys[start : start + _BATCH])
+        try:
+            if store.check(batch):
+                out.update(zip(batch, (bytes(v) for v in store.multi_get(batch))))
+                continue
+        except Exception:  # noqa: BLE001 - a key went away in between: read one by one
+            pass
+        for key in batch:
+            try:
+                out[key] = bytes(store.get(key)) if store.check([key]) else None
+            except Exception:  # noqa: BLE001 - deleted between check and get
+                out[key] = None
+    return out
+
+
+def list_keys(store: dist.Store) -> list[str] | None:
+    """Every key of the store, or ``None`` when the store cannot list them."""
+    try:
+        return list(store.list_keys())
+    except Exception:  # noqa: BLE001 - older torch, Python stores
+        return None
+
+
+def _probe_keys(store: dist.Store, prefix: str) -> list[str]:
+    """Without list_keys: the group-wide keys found under ``prefix`` for world sizes up to
+    MAX_PROBE_WORLD (abort notice, heartbeats)."""
+    found: list[str] = []
+    for world in range(1, MAX_PROBE_WORLD + 1):
+        abort = prefix + K.abort_key(world)
+        hb0 = prefix + K.group_key(world, "hb/0")
+        try:
+            if store.check([abort]):
+                found.append(abort)
+            if store.check([hb0]):
+                beats = [prefix + K.group_key(world, f"hb/{r}") for r in range(world)]
+                found += [k for k in beats if store.check([k])]
+        except Exception:  # noqa: BLE001 - nothing more to find
+            break
+    return found
+
+
+# ---------------------------------------------------------------------------- inspector
+
+
+@dataclass
+class _Seen:
+    first: float
+    changed: float
+    signature: Any
+
+
+@dataclass
+class _Beats:
+    """One group's heartbeat history: snapshots of every rank's counter."""
+
+    times: list[float] = field(default_factory=list)
+    values: list[dict[int, int]] = field(default_factory=list)
+    # rank -> (snapshot index of its last change, whether it was a move rather than a first sighting)
+    changed_at: dict[int, tuple[int, bool]] = field(default_factory=dict)
+
+
+class Inspector:
+    """Samples one store repeatedly and keeps what the protocol does not record: when each
+    op was first seen and when it last changed, and each heartbeat counter's history.
+
+    ``store``: a ``torch.distributed.Store`` (only read, never written; its timeout is not
+    changed) or ``"HOST:PORT"`` of a TCPStore server, which is joined as a client.
+    ``prefix``: only keys starting with it. ``follow``: also inspect the workers' store a
+    torchrun round names (``MASTER_ADDR``/``MASTER_PORT``). ``timeout``: seconds for
+    connecting and for each read.
+    """
+
+    def __init__(
+        self, store: StoreLike, *, prefix: str | None = None, follow: bool = True, timeout: float = 5.0
+    ) -> None:
+        self.address = store if isinstance(store, str) else _address(store)
+        self._timeout = timeout
+        self._store = connect(store, timeout) if isinstance(store, str) else _clone(store, timeout)
+        self._prefix = prefix or ""
+        self._follow = follow
+        self._ops: dict[tuple[str, str, int, str], _Seen] = {}
+        self._beats: dict[tuple[str, str, int], _Beats] = {}
+        self._linked: dict[str, Inspector | str] = {}
+        self._samples: list[float] = []
+
+    def sample(self) -> dict[str, Any]:
+        """Read the store once and return the report (see ``docs/inspect.md``)."""
+        now = time.monotonic()
+        began = time.perf_counter()
+        self._samples.append(now)
+        report: dict[str, Any] = {
+            "schema": SCHEMA,
+            "store": self.address,
+            "time": time.time(),
+            "samples": len(self._samples),
+            "observed_s": round(now - self._samples[0], 3),
+            "enumerable": True,
+            "limitations": [],
+            "groups": [],
+            "torchrun": [],
+        }
+        self._sample_into(report, now)
+        report["client_s"] = round(time.perf_counter() - began, 3)
+        return report
+
+    def _sample_into(self, report: dict[str, Any], now: float) -> None:
+        store = self._store
+        try:
+            report["num_keys"] = int(store.num_keys())
+        except Exception:  # noqa: BLE001 - not every store counts
+            report["num_keys"] = None
+        keys = list_keys(store)
+        if keys is None:
+            report["enumerable"] = False
+            report["limitations"].append(
+                "this store cannot list its keys: collectives in flight cannot be enumerated; "
+                "only abort notices and heartbeats were probed"
+                + (f" under prefix {self._prefix!r}" if self._prefix else " (use --prefix for a namespace)")
+            )
+            keys = _probe_keys(store, self._prefix)
+        keys = [k for k in keys if k.startswith(self._prefix)]
+        groups, runs = _parse(keys)
+        wanted: list[str] = []
+        for g in groups.values():
+            root = f"{g.prefix}{K.group_root(g.world)}/"
+            for token, op in g.ops.items():
+                wanted += [f"{root}{token}/{f}" for f in _READ_FIELDS if f in op.fields]
+            wanted += list(g.beats.values()) + ([g.abort] if g.abort else [])
+        for run_id, run in runs.items():
+            wanted += ([run["state_key"]] if run["state_key"] else []) + list(run["master"].values())
+            if run["native"]:
+                run["current"], native_keys = R.native_keys_to_read(run_id, run["native"])
+                wanted += native_keys
+        values = read_values(store, wanted)
+        heads = self._slot_heads(groups, values)
+        report["torch_ctrl_keys"] = sum(1 for k in keys if _KEY.match(k))
+        for _, g in sorted(groups.items()):
+            report["groups"].append(self._group(g, values, heads, now))
+        for run_id, run in sorted(runs.items()):
+            report["torchrun"].append(self._run(run_id, run, values, report))
+
+    def _slot_heads(self, groups: dict[tuple[str, int], _GroupKeys], values: dict[str, bytes | None]) -> dict:
+        """First few slot values of generic all_gather/all_sum candidates (to tell them apart)."""
+        wanted: dict[tuple[str, int, str], list[str]] = {}
+        for g in groups.values():
+            root = f"{g.prefix}{K.group_root(g.world)}/"
+            for token, op in g.ops.items():
+                if op.slots and K.NAMES in op.fields and len(op.slots) < g.world:
+                    wanted[(g.prefix, g.world, token)] = [f"{root}{token}/r{r}" for r in sorted(op.slots)[:8]]
+        flat = [k for ks in wanted.values() for k in ks]
+        read = read_values(self._store, flat) if flat else {}
+        return {where: [v for v in (read.get(k) for k in ks) if v is not None] for where, ks in wanted.items()}
+
+    def _group(self, g: _GroupKeys, values: dict[str, bytes | None], heads: dict, now: float) -> dict[str, Any]:
+        root = f"{g.prefix}{K.group_root(g.world)}/"
+        ops, finished = [], 0
+        for token, op in g.ops.items():
+            info = _classify(
+                g.world, op, values, lambda f, t=token: f"{root}{t}/{f}", heads.get((g.prefix, g.world, token), [])
+            )
+            if info is None:
+                finished += 1
+                continue
+            seen_key = (self.address, g.prefix, g.world, token)
+            signature = (
+                info["op"],
+                info.get("arrived"),
+                tuple(info["blocked"]),
+                tuple(info.get("slots", ())),
+                info.get("detail"),
+            )
+            seen = self._ops.get(seen_key)
+            if seen is None:
+                seen = self._ops[seen_key] = _Seen(now, now, signature)
+            elif seen.signature != signature:
+                seen.changed, seen.signature = now, signature
+            ops.append(
+                {
+                    "key": decode_token(token),
+                    "token": token,
+                    **info,
+                    "world_size": g.world,
+                    "pending_s": round(now - seen.first, 3),
+                    "unchanged_s": round(now - seen.changed, 3),
+                }
+            )
+        ops.sort(key=lambda o: (-o["pending_s"], o["key"]))
+        abort = None
+        if g.abort is not None and values.get(g.abort) is not None:
+            rank, reason = K.parse_notice(values[g.abort] or b"")
+            abort = {"rank": rank, "reason": reason}
+        return {
+            "prefix": g.prefix,
+            "world_size": g.world,
+            "namespace": describe_prefix(g.prefix),
+            "store": self.address,
+            "in_flight": ops,
+            "finished_awaiting_cleanup": finished,
+            "abort": abort,
+            "heartbeats": self._heartbeats(g, values, now),
+        }
+
+    def _heartbeats(self, g: _GroupKeys, values: dict[str, bytes | None], now: float) -> dict[str, Any] | None:
+        if not g.beats:
+            return None
+        current = {r: v for r, v in ((r, _int(values.get(k))) for r, k in g.beats.items()) if v is not None}
+        hist = self._beats.setdefault((self.address, g.prefix, g.world), _Beats())
+        if len(hist.times) >= 1000:  # --watch: a bounded history
+            self._trim(hist, 500)
+        index = len(hist.times)
+        prev = hist.values[-1] if hist.values else {}
+        hist.times.append(now)
+        hist.values.append(current)
+        for r, v in current.items():
+            if r not in prev:
+                hist.changed_at.setdefault(r, (index, False))
+            elif prev[r] != v:
+                hist.changed_at[r] = (index, True)
+        ranks, stopped = [], []
+        for r in sorted(current):
+            at, moved = hist.changed_at[r]
+            # Beats of the other ranks since this rank's counter last moved (or was first seen).
+            base = hist.values[at]
+            others = max((v - base[o] for o, v in current.items() if o != r and o in base), default=0)
+            age_max = now - hist.times[at - 1] if moved else None
+            if (moved and at == index) or (moved and others == 0):
+                status = "ok"
+            elif others >= STOPPED_AFTER:
+                status = "stopped"
+                stopped.append(r)
+            else:
+                status = "late" if others > 0 else "unknown"
+            ranks.append(
+                {
+                    "rank": r,
+                    "count": current[r],
+                    "age_s": round(now - hist.times[at], 3),
+                    "age_max_s": None if age_max is None else round(age_max, 3),
+                    "others_beats_since": others,
+                    "status": status,
+                }
+            )
+        moved_now = [current[r] - prev[r] for r in current if r in prev and current[r] > prev[r]]
+        window = now - hist.times[index - 1] if index > 0 else None
+        return {
+            "ranks": ranks,
+            "stopped": stopped,
+            # Ranks without a counter: closed (the watcher deletes its counter) or never beating.
+            "absent": [r for r in range(g.world) if r not in current],
+            # Only from counters that moved at least twice: one move only bounds it by the window.
+            "estimated_interval_s": round(window / max(moved_now), 3)
+            if moved_now and max(moved_now) > 1 and window
+            else None,
+            "window_s": None if window is None else round(window, 3),
+        }
+
+    @staticmethod
+    def _trim(hist: _Beats, keep: int) -> None:
+        drop = len(hist.times) - keep
+        hist.times, hist.values = hist.times[drop:], hist.values[drop:]
+        hist.changed_at = {r: (max(0, i - drop), m and i - drop > 0) for r, (i, m) in hist.changed_at.items()}
+
+    def _run(self, run_id: str, run: dict[str, Any], values: dict[str, bytes | None], report: dict) -> dict[str, Any]:
+        """One torchrun run: the native ctrl rendezvous's keys, or torch's c10d state."""
+        state: dict[str, Any] | None = None
+        master = None
+        if run["native"]:
+            backend = "ctrl"
+            state = R.decode_native(run_id, run.get("current"), values, time.time())
+            master = R.native_workers_store(run_id, run.get("current"), values)
+        else:
+            backend = "c10d"
+            raw = values.get(run["state_key"]) if run["state_key"] else None
+            state = R.decode_state(raw) if raw is not None else None
+            for rnd in sorted(run["rounds"], reverse=True):
+                addr = values.get(run["master"].get((rnd, R.MASTER_ADDR), ""))
+                port = values.get(run["master"].get((rnd, R.MASTER_PORT), ""))
+                if addr and port and port.isdigit():
+                    master = f"{addr.decode('utf-8', 'replace')}:{int(port)}"
+                    break
+        current = (state or {}).get("round")
+        if current is None and run["rounds"]:
+            current = max(run["rounds"])
+        agents = [
+            g
+            for g in report["groups"]
+            if g["namespace"].get("kind") == "agents" and g["namespace"].get("run_id") == run_id
+        ]
+        failure = next(
+            (dict(g["abort"], round=current) for g in agents if g["abort"] and g["namespace"]["round"] == current),
+            None,
+        )
+        out = {
+            "run_id": run_id,
+            "rendezvous": backend,
+            "round": current,
+            "rounds_seen": sorted(run["rounds"]),
+            "state": state,
+            "failure": failure,
+            "workers_store": master,
+            "workers_store_error": None,
+        }
+        if master and self._follow:
+            out["workers_store_error"] = self._follow_store(master, report)
+        return out
+
+    def _follow_store(self, master: str, report: dict[str, Any]) -> str | None:
+        """Inspect the workers' store of a torchrun round too (its groups join the report)."""
+        if master == self.address:
+            return None
+        linked = self._linked.get(master)
+        if linked is None:
+            linked = self._linked[master] = self._open_linked(master)
+        if isinstance(linked, str):
+            return linked
+        try:
+            sub = linked.sample()
+        except Exception as exc:  # noqa: BLE001 - reported, the rest of the report stands
+            return f"cannot read {master}: {_one_line(exc)}"
+        report["groups"] += sub["groups"]
+        report["limitations"] += [f"{master}: {x}" for x in sub["limitations"]]
+        return None
+
+    def _open_linked(self, master: str) -> Inspector | str:
+        host, _, port = master.rpartition(":")
+        candidates = [master]
+        own_host = self.address.rpartition(":")[0]
+        if own_host and own_host != host:
+            candidates.append(f"{own_host}:{port}")  # the job's host name may not resolve here
+        errors = []
+        for address in candidates:
+            try:
+                return Inspector(address, follow=False, timeout=min(self._timeout, 3.0))
+            except Exception as exc:  # noqa: BLE001 - try the next address
+                errors.append(f"{address}: {_one_line(exc)}")
+        return "cannot connect to the workers' store (" + "; ".join(errors) + ")"
+
+
+def _one_line(exc: BaseException) -> str:
+    from .errors import one_line
+
+    return one_line(str(exc)) or type(exc).__name__
+
+
+def _address(store: dist.Store) -> str:
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        return f"{base.host}:{base.port}"
+    return type(store).__name__
+
+
+def connect(address: str, timeout: float = 5.0) -> dist.TCPStore:
+    """A TCPStore client of the server at ``HOST:PORT`` (never a server)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    return dist.TCPStore(host.strip("[]"), int(port), None, False, timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def inspect(
+    store: StoreLike,
+    *,
+    interval: float = 1.0,
+    prefix: str | None = None,
+    follow: bool = True,
+    timeout: float = 5.0,
+) -> dict[str, Any]:
+    """Report what every torch_ctrl group on ``store`` is doing, without writing to it.
+
+    Args:
+        store: a ``torch.distributed.Store`` (TCPStore, PrefixStore, HashStore, FileStore, a
+            Python store), or ``"HOST:PORT"`` of a TCPStore server to join as a client.
+        interval: seconds between the two samples that show which heartbeats move and
+            which ops make no progress; ``0`` takes one sample (heartbeat ages unknown).
+            When a rank's heartbeat stood still while others beat fewer than 3 times, up
+            to 3 more samples are taken, ``interval`` apart, to tell a stopped rank from a
+            slow heartbeat.
+        prefix: only keys starting with it (a ``from_env()`` round, a PrefixStore's
+            prefix); on stores that cannot list their keys, where to probe.
+        follow: also inspect the workers' store named by a torchrun round.
+        timeout: seconds for connecting and for each read.
+
+    Returns:
+        A JSON-serializable dict, schema ``torch_ctrl.inspect/1`` (``docs/inspect.md``):
+        ``groups`` (each with ``in_flight`` ops, ``heartbeats``, ``abort``), ``torchrun``
+        (runs, rounds, nodes, failure notice), ``limitations``.
+
+    Raises:
+        ValueError: ``store`` is a string that is not ``HOST:PORT``.
+        torch.distributed.DistNetworkError: the server cannot be reached.
+
+    Example::
+
+        >>> report = torch_ctrl.inspect("127.0.0.1:29500")  # doctest: +SKIP
+        >>> for op in report["groups"][0]["in_flight"]:  # doctest: +SKIP
+        ...     print(op["op"], op["key"], op["arrived"], op["missing"])
+        barrier epoch-3 3 [2]
+    """
+    insp = Inspector(store, prefix=prefix, follow=follow, timeout=timeout)
+    report = insp.sample()
+    if interval <= 0:
+        return report
+    for _ in range(4):
+        time.sleep(interval)  # what moves is only seen across samples: nothing to wait on
+        report = insp.sample()
+        if not _undecided(report):
+            break
+    return report
+
+
+def _undecided(report: dict[str, Any]) -> bool:
+    """Whether some rank's heartbeat stood still without enough evidence yet."""
+    return any(r["status"] == "late" for g in report["groups"] if g["heartbeats"] for r in g["heartbeats"]["ranks"])
