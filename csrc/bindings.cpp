@@ -1,11 +1,20 @@
 // pybind11 bindings: module torch_ctrl._C. Every call releases the GIL while it
 // talks to the store; C++ exceptions become torch_ctrl.errors exceptions, built by
 // the same Python functions the pure-Python implementation uses.
+#include "compat.h"
 #include "errors.h"
 #include "keys.h"
 #include "store_collectives.h"
 
 #include <torch/csrc/utils/pybind.h>
+
+// setup.py defines TORCH_CTRL_TORCH_VERSION as the bare version (2.13.0+cpu): a string
+// literal would not survive every build tool's quoting.
+#ifndef TORCH_CTRL_TORCH_VERSION
+#define TORCH_CTRL_TORCH_VERSION unknown
+#endif
+#define TORCH_CTRL_STR(x) #x
+#define TORCH_CTRL_XSTR(x) TORCH_CTRL_STR(x)
 
 namespace py = pybind11;
 using torch_ctrl::Key;
@@ -55,6 +64,13 @@ PYBIND11_MODULE(_C, m) {
     py::object obj = py::cast(c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store));
     obj.attr("delete_key")(key);
   };
+  // What this build was compiled against, checked at import (torch_ctrl/loader.py).
+  m.attr("_torch_version") = TORCH_CTRL_XSTR(TORCH_CTRL_TORCH_VERSION);
+  py::dict caps;
+  caps["clone"] = torch_ctrl::compat::kClone;
+  caps["barrier"] = torch_ctrl::compat::kBarrier;
+  caps["list_keys"] = torch_ctrl::compat::kListKeys;
+  m.attr("_capabilities") = caps;
   m.def("_op_prefix", &torch_ctrl::keys::op_prefix, "Key prefix of one collective (for layout tests).");
   m.def("_base_key", &torch_ctrl::base_key, "The store under any PrefixStores, and the key as it sees it.");
 

@@ -1,5 +1,6 @@
 // C++ twin of torch_ctrl/lanes.py.
 #include "lanes.h"
+#include "compat.h"
 #include "keys.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -29,11 +30,36 @@ std::chrono::milliseconds millis(double seconds) {
 }
 
 // PrefixStore::joinKey is protected; a derived type may name it (never instantiated).
+// PrefixStore::joinKey and prefix_ are protected; a derived type may name them (never instantiated).
 struct PrefixAccess : c10d::PrefixStore {
   static std::string join(c10d::PrefixStore& store, const std::string& key) {
     return (store.*(&PrefixAccess::joinKey))(key);
   }
+  static const std::string& prefix(c10d::PrefixStore& store) {
+    return store.*(&PrefixAccess::prefix_);
+  }
 };
+
+// A new connection to the same store, for torch releases whose Store has no clone():
+// a TCPStore client to the same host and port (same backend and timeout), under the same
+// PrefixStores. Only called for TCPStore-backed chains (see Lanes::Lanes).
+c10::intrusive_ptr<c10d::Store> new_client(const c10::intrusive_ptr<c10d::Store>& store) {
+  if (auto* prefix = dynamic_cast<c10d::PrefixStore*>(store.get())) {
+    return c10::make_intrusive<c10d::PrefixStore>(
+        PrefixAccess::prefix(*prefix), new_client(prefix->getUnderlyingStore()));
+  }
+  auto* tcp = dynamic_cast<c10d::TCPStore*>(store.get());
+  if (tcp == nullptr) {
+    throw std::logic_error("new_client: not a TCPStore");
+  }
+  c10d::TCPStoreOptions opts;
+  opts.port = tcp->getPort();
+  opts.isServer = false;
+  opts.waitWorkers = false;
+  opts.timeout = tcp->getTimeout();
+  opts.useLibUV = tcp->isLibUvBackend();
+  return c10::make_intrusive<c10d::TCPStore>(tcp->getHost(), opts);
+}
 } // namespace
 
 std::pair<c10::intrusive_ptr<c10d::Store>, std::string> base_key(
@@ -176,12 +202,12 @@ std::vector<std::string> Lane::multi_get(const std::vector<std::string>& keys, d
 }
 
 void Lane::barrier(const std::string& key, int world_size, double seconds) {
-  store->barrier(key, world_size, millis(seconds));
+  compat::barrier(*store, key, world_size, millis(seconds));
 }
 
 std::optional<std::vector<std::string>> Lane::list_keys() {
   try {
-    return store->listKeys();
+    return compat::list_keys(*store);
   } catch (const std::exception&) {
     return std::nullopt;
   }
@@ -189,9 +215,12 @@ std::optional<std::vector<std::string>> Lane::list_keys() {
 
 Lanes::Lanes(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {
   auto base = base_store(store_);
-  owned_ = dynamic_cast<c10d::TCPStore*>(base.get()) != nullptr ||
-      dynamic_cast<c10d::FileStore*>(base.get()) != nullptr;
-  native_barrier_ = dynamic_cast<c10d::TCPStore*>(store_.get()) != nullptr;
+  bool tcp = dynamic_cast<c10d::TCPStore*>(base.get()) != nullptr;
+  bool file = dynamic_cast<c10d::FileStore*>(base.get()) != nullptr;
+  // Own connections: clones where this torch has clone(), else new TCPStore clients (a
+  // FileStore without clone() is shared: its calls never hold a lock while they wait).
+  owned_ = compat::kClone ? (tcp || file) : tcp;
+  native_barrier_ = compat::kBarrier && dynamic_cast<c10d::TCPStore*>(store_.get()) != nullptr;
   try {
     extended_ = store_->hasExtendedApi();
   } catch (const std::exception&) {
@@ -209,7 +238,13 @@ std::unique_ptr<Lane> Lanes::acquire() {
     }
   }
   auto lane = std::make_unique<Lane>();
-  lane->store = owned_ ? store_->clone() : store_;
+  if (!owned_) {
+    lane->store = store_;
+  } else if constexpr (compat::kClone) {
+    lane->store = compat::clone(*store_);
+  } else {
+    lane->store = new_client(store_);
+  }
   lane->owned = owned_;
   lane->native_barrier = native_barrier_;
   lane->extended = extended_;

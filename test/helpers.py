@@ -15,10 +15,9 @@ import torch.distributed as dist
 import torch_ctrl
 from torch_ctrl import PyStoreCollectives
 
-try:
-    from torch_ctrl.cpp import CppStoreCollectives
-except Exception:  # noqa: BLE001 - extension not built
-    CppStoreCollectives = None  # type: ignore[assignment,misc]
+# The C++ implementation where the extension is usable with this torch (the loader's checks);
+# on a pure-Python install the suite runs the Python implementation alone.
+CppStoreCollectives = torch_ctrl.StoreCollectives if torch_ctrl.backend() == "cpp" else None
 
 HOST = "127.0.0.1"
 
@@ -123,12 +122,17 @@ STORE_KINDS = ["tcp", "tcp_nolibuv", "file", "hash", "prefix", "prefix_nested", 
 IMPLS = ["cpp", "python", "mixed"] if CppStoreCollectives is not None else ["python"]
 
 
+def make_cls(impl: str, rank: int) -> type:
+    """The class of rank ``rank`` under ``impl``; ``mixed``: odd ranks Python, even ranks C++."""
+    if impl == "python" or (impl == "mixed" and rank % 2):
+        return PyStoreCollectives
+    assert CppStoreCollectives is not None, "C++ extension not built"
+    return CppStoreCollectives
+
+
 def make(impl: str, store: dist.Store, rank: int, world_size: int) -> torch_ctrl.ControlCollectives:
     """An instance of the implementation under test; ``mixed``: odd ranks Python, even ranks C++."""
-    if impl == "python" or (impl == "mixed" and rank % 2):
-        return PyStoreCollectives(store, rank, world_size)
-    assert CppStoreCollectives is not None, "C++ extension not built"
-    return CppStoreCollectives(store, rank, world_size)
+    return make_cls(impl, rank)(store, rank, world_size)
 
 
 def run_ranks(world_size: int, fn: Callable[[int], Any], timeout: float = 60.0) -> list[Any]:

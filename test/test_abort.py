@@ -160,11 +160,9 @@ def _rank_proc(port: int, impl: str, rank: int, world: int, heartbeat: float, de
 
 
 def _with_heartbeat(impl: str, store, rank: int, world: int, heartbeat: float):  # noqa: ANN001
-    from torch_ctrl import PyStoreCollectives
-    from torch_ctrl.cpp import CppStoreCollectives
+    from helpers import make_cls
 
-    cls = PyStoreCollectives if impl == "python" or (impl == "mixed" and rank % 2) else CppStoreCollectives
-    return cls(store, rank, world, heartbeat_interval=heartbeat)
+    return make_cls(impl, rank)(store, rank, world, heartbeat_interval=heartbeat)
 
 
 def _spawn(impl: str, world: int, heartbeat: float, delays: dict[int, float]):

@@ -8,12 +8,9 @@ from hypothesis import strategies as st
 
 from torch_ctrl import keys as K
 
-try:
-    from torch_ctrl import _C  # noqa: F401
+import torch_ctrl
 
-    HAVE_CPP = True
-except ImportError:
-    HAVE_CPP = False
+HAVE_CPP = torch_ctrl.backend() == "cpp"
 
 
 @given(st.text(), st.text())

@@ -19,7 +19,7 @@ from .naming import RankNamed, with_rank_names
 from .store_collectives import PyStoreCollectives
 from .workers import from_env
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CollectiveAbortedError",

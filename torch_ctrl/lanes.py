@@ -11,19 +11,31 @@ Stores whose clones share state with the original (HashStore, Python stores, a
 PrefixStore over them) are used directly ("shared" mode): they must be thread
 safe, and blocking reads become ``wait(keys, timeout)`` followed by a read, so
 that no timeout is ever set on them.
+
+On a torch whose stores have no ``clone()`` (see :mod:`torch_ctrl.capabilities`), a
+TCPStore's lanes are new clients to the same host and port. A PrefixStore over a TCPStore
+cannot be rebuilt from Python there (its prefix is not exposed), so its one client is
+shared, and blocking waits on it are cut into ``SLICE`` second waits: the client's lock is
+never held longer than that, so other threads and the watcher's heartbeats get through.
+The C++ twin rebuilds such chains with new clients.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from collections.abc import Sequence
 from datetime import timedelta
+from types import FrameType
 
 import torch.distributed as dist
 
+from . import capabilities
 from . import keys as K
 
 _TICK = 0.001  # smallest timeout handed to a store (0 means "forever" to some stores)
+SLICE = 0.1  # longest wait on a TCPStore client shared by several callers (no clone())
 
 
 def peek(store: dist.Store, key: str) -> bytes | None:
@@ -40,15 +52,56 @@ def base_store(store: dist.Store) -> dist.Store:
     return store
 
 
+def key_prefix(store: dist.Store) -> str:
+    """What the PrefixStores over a Python-written store put before a key: ``key`` is
+    ``prefix + key`` to that store. torch does not expose a PrefixStore's prefix to Python,
+    so read it off one ``check`` call as the Python store's own method receives it (a
+    profile hook on this thread, for that one call; any previous hook is restored)."""
+    base, probe, seen = base_store(store), "torch_ctrl/probe", []
+
+    def hook(frame: FrameType, event: str, arg: object) -> None:
+        code = frame.f_code
+        if event == "call" and not seen and code.co_argcount >= 2 and frame.f_locals.get("self") is base:
+            seen.append(frame.f_locals[code.co_varnames[1]])
+
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        store.check([probe])
+    finally:
+        sys.setprofile(previous)
+    full = seen[0][0] if seen and isinstance(seen[0], list) and seen[0] else None
+    if not isinstance(full, str) or not full.endswith(probe):
+        raise RuntimeError("cannot tell the key prefix of a PrefixStore over this Python store")
+    return full[: -len(probe)]
+
+
+def new_client(store: dist.TCPStore) -> dist.TCPStore:
+    """A new client of ``store``'s server (same host, port, backend and timeout): a lane
+    where this torch has no ``clone()``."""
+    return dist.TCPStore(
+        store.host,
+        store.port,
+        is_master=False,
+        timeout=store.timeout,
+        wait_for_workers=False,
+        use_libuv=store.libuvBackend,
+    )
+
+
 class Lane:
     """One store handle, used by one caller at a time."""
 
-    def __init__(self, store: dist.Store, owned: bool, native_barrier: bool, extended: bool) -> None:
+    def __init__(
+        self, store: dist.Store, owned: bool, native_barrier: bool, extended: bool, sliced: bool = False
+    ) -> None:
         self.store = store
         self.owned = owned
         self.native_barrier = native_barrier
         self.extended = extended
+        self.sliced = sliced  # a TCPStore client shared by every caller: wait in slices
         self._timeout: float | None = None
+        self._prefix: str | None = None  # what PrefixStores put before a key (see key_prefix)
 
     # -- plain calls ---------------------------------------------------------
     def set(self, key: str, value: bytes) -> None:
@@ -62,13 +115,12 @@ class Lane:
             self.store.delete_key(key)
         except RuntimeError as exc:
             # torch's PrefixStore cannot reach a Python-written store's delete_key ("pure
-            # virtual"); PrefixStore hides its prefix from Python, so ask the C++ twin.
+            # virtual"): delete the key from the Python store itself, under its full name.
             if "pure virtual" not in str(exc):
                 raise
-            from ._C import _base_key  # without the extension such keys stay (ImportError)
-
-            base, full = _base_key(self.store, key)
-            base.delete_key(full)
+            if self._prefix is None:
+                self._prefix = key_prefix(self.store)
+            base_store(self.store).delete_key(self._prefix + key)
 
     def peek(self, key: str) -> bytes | None:
         """Read ``key`` without waiting or writing; ``None`` when it does not exist."""
@@ -108,18 +160,36 @@ class Lane:
             self.store.set_timeout(timedelta(seconds=self._timeout))
 
     def wait(self, keys: Sequence[str], seconds: float) -> None:
+        if self.sliced:
+            self._wait_sliced(keys, seconds)
+            return
         try:
             self.store.wait(list(keys), timedelta(seconds=max(seconds, _TICK)))
         except TypeError:
             # A Python store whose wait() takes no timeout: its own timeout applies.
             self.store.wait(list(keys))
 
+    def _wait_sliced(self, keys: Sequence[str], seconds: float) -> None:
+        """``wait`` in waits of at most ``SLICE`` seconds, releasing the shared client between them."""
+        deadline = time.monotonic() + seconds
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.store.wait(list(keys), timedelta(seconds=max(min(left, SLICE), _TICK)))
+                return
+            except dist.DistStoreError:
+                if left <= SLICE:
+                    raise
+
     def _fits(self, seconds: float) -> bool:
         """True when a plain blocking read can be used: the lane is ours (its timeout is
-        set per call), or the shared store's own timeout matches ours (within 1%)."""
+        set per call), or the shared store's own timeout matches ours (within 1%) and no
+        other caller needs its connection meanwhile."""
         if self.owned:
             self._arm(seconds)
             return True
+        if self.sliced:
+            return False
         try:
             own = self.store.timeout.total_seconds()
         except Exception:  # noqa: BLE001 - Python stores without a timeout
@@ -176,11 +246,17 @@ class Lanes:
     def __init__(self, store: dist.Store) -> None:
         self.store = store
         base = base_store(store)
-        # Clones of TCPStore/FileStore are independent handles; others share state.
-        self.owned = isinstance(base, (dist.TCPStore, dist.FileStore))
-        # Server-side barrier only on a TCPStore passed directly: both
-        # implementations must take the same path for a given store.
-        self.native_barrier = isinstance(store, dist.TCPStore)
+        tcp = isinstance(base, dist.TCPStore)
+        # Clones of TCPStore/FileStore are independent handles; others share state. Without
+        # clone(): new clients for a TCPStore; a FileStore is shared (its waits poll, lock-free).
+        if capabilities.CLONE:
+            self.owned = tcp or isinstance(base, dist.FileStore)
+        else:
+            self.owned = isinstance(store, dist.TCPStore)
+        self.sliced = tcp and not self.owned
+        # Server-side barrier only on a TCPStore passed directly, where this torch has one:
+        # both implementations must take the same path for a given store.
+        self.native_barrier = capabilities.BARRIER and isinstance(store, dist.TCPStore)
         try:
             self.extended = bool(store.has_extended_api())
         except Exception:  # noqa: BLE001 - Python stores may not implement it
@@ -192,8 +268,13 @@ class Lanes:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        handle = self.store.clone() if self.owned else self.store
-        return Lane(handle, self.owned, self.native_barrier, self.extended)
+        if not self.owned:
+            handle = self.store
+        elif capabilities.CLONE:
+            handle = self.store.clone()
+        else:
+            handle = new_client(self.store)
+        return Lane(handle, self.owned, self.native_barrier, self.extended, self.sliced)
 
     def release(self, lane: Lane) -> None:
         with self._lock:

@@ -53,9 +53,9 @@ def install(agent_hooks: bool = True) -> None:
             for module, attr in _importers(original):
                 _patch(module, attr, getattr(store, name))
         if agent_hooks:
-            from . import agent
+            from . import agent, internals
 
-            for cls, name, hook in agent.hook_table():
+            for cls, name, hook in internals.usable_hooks(agent.hook_table()):
                 original = _original(cls, name)
                 _patch(cls, name, _bind(hook, original))
         if not _logged:
