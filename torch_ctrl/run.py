@@ -2,24 +2,56 @@
 
 Accepts every torchrun argument. Installs the elastic adapter and agent hooks in this
 process, and uses the ``ctrl`` rendezvous backend unless ``--rdzv-backend`` is given
-(``--standalone`` becomes a single-node ``ctrl`` rendezvous on ``localhost:0``).
+(``--standalone`` becomes a single-node ``ctrl`` rendezvous on ``localhost:0``). ``--help``
+says so, above torchrun's own options.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import uuid
+
+PROG = "python -m torch_ctrl.run"
+DESCRIPTION = (
+    "torchrun with torch_ctrl: takes every torchrun option and runs torchrun with the 'ctrl' rendezvous "
+    "backend as the default (pass --rdzv-backend to choose another) and torch_ctrl's elastic store "
+    "adapter and agent hooks installed: a node that fails tells the others why, every node sees one "
+    "round number, and workers can take torch_ctrl.from_env(). --standalone starts a single-node job "
+    "with a 'ctrl' rendezvous on localhost, on a free port, under a fresh run id (torchrun's own "
+    "--standalone does the same with 'c10d')."
+)
+EPILOG = (
+    "A job hangs? 'torch-ctrl inspect HOST:PORT' on the --rdzv-endpoint shows the rounds, nodes, "
+    "failure notice and every collective in flight, read-only. See docs/torchrun.md."
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    """torchrun's own parser, with this launcher's name, description and defaults in its help."""
+    from torch.distributed import run as torchrun
+
+    out = torchrun.get_args_parser()
+    out.prog, out.description, out.epilog = PROG, DESCRIPTION, EPILOG
+    for action in out._actions:
+        if action.dest == "rdzv_backend":
+            action.help = "Rendezvous backend (default here: ctrl, torch_ctrl's; torchrun's: static)."
+        elif action.dest == "standalone":
+            action.help = (
+                "Single-node job: a 'ctrl' rendezvous on localhost on a free port with a fresh run id "
+                "(with an explicit --rdzv-backend: torchrun's own --standalone, which uses c10d)."
+            )
+    return out
 
 
 def torchrun_args(argv: list[str]) -> list[str]:
     """torchrun's arguments with the ``ctrl`` defaults applied (parsed by torchrun's own
-    parser, so options after the training script are left alone)."""
-    from torch.distributed import run as torchrun
-
-    parser = torchrun.get_args_parser()
+    parser, so options after the training script are left alone; ``--help`` prints this
+    launcher's help and exits)."""
+    parser_ = parser()
     unset = object()
-    parser.set_defaults(rdzv_backend=unset)
-    parsed = parser.parse_args(argv)
+    parser_.set_defaults(rdzv_backend=unset)
+    parsed = parser_.parse_args(argv)
     if parsed.rdzv_backend is not unset:
         return list(argv)
     extra = ["--rdzv-backend=ctrl"]
