@@ -45,6 +45,13 @@ def register() -> None:
 
     torch's own private classes stay available as ``torch.distributed._StoreCollectives``
     and ``torch.distributed._ControlCollectives``; nothing of torch is replaced.
+
+    Example::
+
+        import torch.distributed as dist
+        import torch_ctrl  # calls register()
+
+        assert dist.StoreCollectives is torch_ctrl.StoreCollectives
     """
     import torch.distributed as dist
 

@@ -37,61 +37,211 @@ class ControlCollectives(abc.ABC):
 
     Every method takes a ``key`` that names the operation (``None``: the next
     automatic key of this instance, so all ranks must then call keyless
-    collectives in the same order) and a ``timeout`` (``timedelta`` or seconds).
+    collectives in the same order) and a ``timeout`` (``timedelta`` or seconds,
+    default 300 s). ``data`` is ``bytes``, ``bytearray``, ``memoryview`` or ``str``
+    (UTF-8); results are ``bytes``. Bad arguments raise ``TypeError``/``ValueError``
+    before anything is written to the store.
+
+    Every collective raises :class:`~torch_ctrl.CollectiveTimeoutError` when it does not
+    complete in time, :class:`~torch_ctrl.CollectiveAbortedError` when the group is
+    aborted, :class:`~torch_ctrl.CollectiveError` when the store fails, and
+    :class:`~torch_ctrl.KeyReusedError` when an explicit key was already used on this
+    instance. Instances are context managers (:meth:`close` on exit).
+
+    Type code against this class; :class:`torch_ctrl.StoreCollectives` is the implementation.
+
+    Example::
+
+        def sync_step(coll: torch_ctrl.ControlCollectives, step: int) -> None:
+            coll.barrier(f"step-{step}", timeout=60)
     """
 
     @abc.abstractmethod
     def barrier(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT, block: bool = True) -> None:
-        """Block until all ranks have entered the barrier (``block=False``: only arrive)."""
+        """Block until all ranks have entered the barrier.
+
+        Args:
+            key: names this barrier; ``None``: the next automatic key.
+            timeout: how long to wait for the other ranks.
+            block: ``False`` only arrives and returns at once (the others still wait for this rank).
+
+        Raises:
+            CollectiveTimeoutError: not every rank arrived in time (``missing`` names them).
+
+        Example::
+
+            coll.barrier("checkpoint-saved", timeout=120)
+        """
 
     @abc.abstractmethod
     def broadcast_send(
         self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> None:
-        """Send ``data`` to every other rank (called by exactly one rank)."""
+        """Send ``data`` to every other rank; exactly one rank (the root) calls it.
+
+        Args:
+            key: names this broadcast; the receivers use the same key.
+            data: the payload (any size: values over 4 MiB are chunked).
+            timeout: bounds the store calls.
+
+        Example::
+
+            if coll.rank == 0:
+                coll.broadcast_send("plan", json.dumps(plan))
+        """
 
     @abc.abstractmethod
     def broadcast_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
-        """Receive the data broadcast under ``key``."""
+        """Receive the data broadcast under ``key``.
+
+        Returns:
+            The root's payload.
+
+        Raises:
+            CollectiveTimeoutError: the root sent nothing in time (``nothing was sent``).
+
+        Example::
+
+            plan = json.loads(coll.broadcast_recv("plan", timeout=60))
+        """
 
     @abc.abstractmethod
     def gather_send(self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
-        """Send ``data`` to the gathering rank."""
+        """Send ``data`` to the gathering rank (the one calling :meth:`gather_recv` with this key).
+
+        Example::
+
+            coll.gather_send("stats", json.dumps(my_stats))
+        """
 
     @abc.abstractmethod
     def gather_recv(
         self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> list[bytes]:
-        """Collect every rank's data, in rank order, this rank's ``data`` included."""
+        """Collect every rank's data on this rank (the root).
+
+        Args:
+            key: names this gather; the senders use the same key.
+            data: this rank's own contribution.
+            timeout: how long to wait for the senders.
+
+        Returns:
+            ``world_size`` payloads in rank order, this rank's ``data`` included.
+
+        Raises:
+            CollectiveTimeoutError: some ranks sent nothing in time (``missing`` names them).
+
+        Example::
+
+            stats = [json.loads(b) for b in coll.gather_recv("stats", json.dumps(my_stats))]
+        """
 
     @abc.abstractmethod
     def scatter_send(
         self, key: str | None = None, data: Sequence[Data] | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> bytes:
-        """Send ``data[i]`` to rank ``i``; return this rank's own element."""
+        """Send ``data[i]`` to rank ``i`` (this rank is the root).
+
+        Args:
+            key: names this scatter; the receivers use the same key.
+            data: a sequence of exactly ``world_size`` payloads.
+            timeout: bounds the store calls.
+
+        Returns:
+            This rank's own element, ``data[rank]``.
+
+        Raises:
+            ValueError: ``data`` does not have ``world_size`` elements.
+
+        Example::
+
+            mine = coll.scatter_send("shards", [f"shard-{i}" for i in range(coll.world_size)])
+        """
 
     @abc.abstractmethod
     def scatter_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
-        """Receive this rank's element of a scatter."""
+        """Receive this rank's element of a scatter.
+
+        Returns:
+            ``data[rank]`` of the root's :meth:`scatter_send`.
+
+        Raises:
+            CollectiveTimeoutError: the root sent nothing in time.
+
+        Example::
+
+            shard = coll.scatter_recv("shards", timeout=60).decode()
+        """
 
     @abc.abstractmethod
     def all_gather(
         self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> list[bytes]:
-        """Every rank's data, in rank order, on every rank."""
+        """Every rank's data, in rank order, on every rank.
+
+        Args:
+            key: names this all_gather.
+            data: this rank's payload.
+            timeout: how long to wait for every rank.
+
+        Returns:
+            ``world_size`` payloads in rank order.
+
+        Raises:
+            CollectiveTimeoutError: not every rank arrived in time (``missing`` names them).
+
+        Example::
+
+            hosts = [h.decode() for h in coll.all_gather("hosts", socket.gethostname())]
+        """
 
     @abc.abstractmethod
     def all_sum(self, key: str | None = None, data: int | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> int:
-        """The sum of every rank's integer (64-bit, wrapping like torch's store counters)."""
+        """The sum of every rank's integer, on every rank.
+
+        Args:
+            key: names this all_sum.
+            data: this rank's integer (signed 64-bit).
+            timeout: how long to wait for every rank.
+
+        Returns:
+            The sum, wrapping at 64 bits like torch's store counters.
+
+        Raises:
+            ValueError: ``data`` does not fit in a signed 64-bit integer.
+            CollectiveTimeoutError: not every rank arrived in time.
+
+        Example::
+
+            total = coll.all_sum("samples", len(my_samples))
+        """
 
     def abort(self, reason: str = "") -> None:
-        """Mark the group as failed by this rank; peers blocked in any collective raise
-        ``CollectiveAbortedError``. Backends without fail-fast support raise NotImplementedError."""
+        """Mark the group as failed by this rank: peers blocked in any collective raise
+        :class:`~torch_ctrl.CollectiveAbortedError` within a second, later collectives at once.
+
+        Args:
+            reason: one line saying why; the first abort's reason is what every rank reports.
+
+        Raises:
+            NotImplementedError: the backend has no fail-fast support.
+
+        Example::
+
+            coll.abort("disk full")
+        """
         raise NotImplementedError(f"{type(self).__name__} does not support abort()")
 
     @contextmanager
     def abort_on_error(self) -> Iterator[None]:
-        """Abort the group with the exception's type and message if the block raises, then re-raise."""
+        """Context manager: if the block raises, abort the group with the exception's type and
+        message (``"OSError: disk full"``), then re-raise.
+
+        Example::
+
+            with coll.abort_on_error():
+                load_checkpoint()
+        """
         try:
             yield
         except BaseException as exc:
@@ -101,7 +251,15 @@ class ControlCollectives(abc.ABC):
             raise
 
     def close(self, flush_timeout: float = 5.0) -> None:  # noqa: B027 - optional for other backends
-        """Release resources (background threads, connections); a no-op by default."""
+        """Release resources (background threads, connections); a no-op by default.
+
+        Args:
+            flush_timeout: seconds to let background key cleanup finish first.
+
+        Example::
+
+            coll.close()  # or: with torch_ctrl.StoreCollectives(...) as coll: ...
+        """
 
     def __enter__(self) -> ControlCollectives:
         return self

@@ -39,7 +39,16 @@ def _close_all() -> None:
 
 
 class CppStoreCollectives(ControlCollectives):
-    """Store-backed collectives implemented in C++. Thread safe; see ``docs/protocol.md``."""
+    """Store-backed collectives implemented in C++. Thread safe; see ``docs/protocol.md``.
+
+    Same constructor, methods, defaults and errors as :class:`torch_ctrl.PyStoreCollectives`;
+    the store calls run with the GIL released.
+
+    Example::
+
+        with torch_ctrl.StoreCollectives(store, rank, world_size) as coll:  # this class when built
+            coll.barrier("ready", timeout=60)
+    """
 
     def __init__(
         self,

@@ -14,7 +14,17 @@ MAX_LISTED = 16
 
 
 class CollectiveError(dist.DistStoreError):
-    """A collective failed for a reason other than a timeout or an abort."""
+    """A collective failed for a reason other than a timeout or an abort (the store failed,
+    or it holds data torch_ctrl did not write); one line naming the op and key. A
+    ``torch.distributed.DistStoreError``, so existing handlers keep catching it.
+
+    Example::
+
+        try:
+            coll.barrier("ready")
+        except torch_ctrl.CollectiveError as exc:  # timeouts and aborts included
+            log.error("control plane failed: %s", exc)
+    """
 
 
 class CollectiveTimeoutError(CollectiveError):
@@ -22,6 +32,13 @@ class CollectiveTimeoutError(CollectiveError):
 
     Attributes: ``op``, ``key``, ``arrived`` (or None when unknown), ``world_size``
     and ``missing`` (ranks known not to have arrived; empty when unknown).
+
+    Example::
+
+        try:
+            coll.barrier("epoch-3", timeout=60)
+        except torch_ctrl.CollectiveTimeoutError as exc:
+            print(exc.missing)  # [2]; str(exc): "barrier 'epoch-3' timed out after 60s: 3/4 ..."
     """
 
     def __init__(
@@ -45,6 +62,13 @@ class CollectiveAbortedError(CollectiveError):
     """The group was aborted (by a rank's ``abort()`` or because a rank died).
 
     Attributes: ``rank`` (the rank that aborted or was found dead) and ``reason``.
+
+    Example::
+
+        try:
+            coll.all_gather("hosts", host)
+        except torch_ctrl.CollectiveAbortedError as exc:
+            print(exc.rank, exc.reason)  # 2 disk full
     """
 
     def __init__(self, message: str, rank: int = -1, reason: str = "") -> None:
@@ -54,7 +78,14 @@ class CollectiveAbortedError(CollectiveError):
 
 
 class KeyReusedError(ValueError, RuntimeError):
-    """An explicit key was used twice on one instance (also a RuntimeError, like torch's)."""
+    """An explicit key was used twice on one instance (also a RuntimeError, like torch's);
+    raised before any store traffic.
+
+    Example::
+
+        coll.barrier("ready")
+        coll.barrier("ready")  # KeyReusedError: barrier: key 'ready' has already been used ...
+    """
 
 
 def format_ranks(ranks: Iterable[int]) -> str:

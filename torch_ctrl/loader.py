@@ -101,12 +101,25 @@ StoreCollectives: type = _choose()
 
 
 def backend() -> str:
-    """``"cpp"`` or ``"python"``: which implementation ``StoreCollectives`` is."""
+    """``"cpp"`` or ``"python"``: which implementation ``StoreCollectives`` is.
+
+    Example::
+
+        if torch_ctrl.backend() != "cpp":
+            print("pure Python:", torch_ctrl.import_error())
+    """
     return _BACKEND
 
 
 def import_error() -> BaseException | None:
-    """Why the C++ extension is not in use (None when it is, or was not tried)."""
+    """Why the C++ extension is not in use (None when it is, or was not tried).
+
+    Example::
+
+        err = torch_ctrl.import_error()
+        if err is not None:
+            print(f"C++ extension unavailable: {err}")
+    """
     return _IMPORT_ERROR
 
 

@@ -84,7 +84,14 @@ for _op in METHODS:
 @functools.cache
 def with_rank_names(cls: type) -> type:
     """A subclass of ``cls`` (a ControlCollectives class) whose constructor also takes
-    ``rank_names=`` (a sequence indexed by rank, or a callable) and whose errors use it."""
+    ``rank_names=`` (a sequence indexed by rank, or a callable) and whose errors use it.
+
+    Example::
+
+        Named = torch_ctrl.with_rank_names(torch_ctrl.StoreCollectives)
+        coll = Named(store, rank, world_size, rank_names=["node-a", "node-a", "node-b", "node-b"])
+        # a timeout now ends with "(hosts of missing ranks: 2: node-b)"
+    """
     return type(cls.__name__, (_NamedErrors, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
@@ -92,6 +99,14 @@ class RankNamed(ControlCollectives):
     """``inner`` (any ControlCollectives instance) with errors that name each rank as
     ``names(rank)`` (a host, a pod...). Same methods and behaviour as ``inner``; only the
     messages of timeout and abort errors gain the names. Attributes of the errors are kept.
+
+    Args:
+        inner: the instance to wrap.
+        names: a sequence indexed by rank, or a callable ``rank -> name``.
+
+    Example::
+
+        coll = torch_ctrl.RankNamed(torch_ctrl.StoreCollectives(store, rank, 4), lambda r: f"pod-{r // 2}")
     """
 
     def __init__(self, inner: ControlCollectives, names: Names) -> None:

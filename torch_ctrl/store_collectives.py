@@ -59,7 +59,28 @@ class _Op:
 
 
 class PyStoreCollectives(ControlCollectives):
-    """Store-backed collectives, pure Python. Thread safe; see ``docs/protocol.md``."""
+    """Store-backed collectives, pure Python. Thread safe; see ``docs/protocol.md``.
+
+    Args:
+        store: any ``torch.distributed.Store`` (TCPStore, PrefixStore, FileStore, HashStore,
+            a Python subclass); every rank passes its own client of the same store.
+        rank: this rank, in ``[0, world_size)``.
+        world_size: the number of ranks of the group (>= 1).
+        heartbeat_interval: keyword-only; ``None`` (default) or a ``timedelta``/seconds:
+            beat every interval, so that blocked peers detect this rank's death within
+            5 intervals.
+
+    Raises:
+        TypeError: ``store`` is not a ``torch.distributed.Store``, or ``rank``/``world_size``
+            are not ints.
+        ValueError: ``rank`` out of range, ``world_size < 1`` or a non-positive interval.
+
+    Example::
+
+        store = dist.TCPStore("127.0.0.1", 29500, is_master=(rank == 0))
+        with torch_ctrl.PyStoreCollectives(store, rank, world_size, heartbeat_interval=1.0) as coll:
+            total = coll.all_sum("work", rank + 1, timeout=30)
+    """
 
     def __init__(
         self,
@@ -213,7 +234,12 @@ class PyStoreCollectives(ControlCollectives):
         self._watcher.aborted(notice)
 
     def close(self, flush_timeout: float = 5.0) -> None:
-        """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections."""
+        """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections.
+
+        Example::
+
+            coll.close(flush_timeout=1.0)
+        """
         self._watcher.close(flush_timeout)
         self._lanes.close()
 

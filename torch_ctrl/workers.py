@@ -82,12 +82,24 @@ def from_env(
 ) -> ControlCollectives:
     """A ``StoreCollectives`` for this worker: rank ``RANK`` of ``WORLD_SIZE``, over a TCPStore
     client at ``MASTER_ADDR:MASTER_PORT`` (or over ``store``), namespaced by the rendezvous
-    round (:func:`worker_namespace`).
+    round (``torch_ctrl/run/{run id}/round{N}/``).
 
-    ``timeout`` bounds connecting to the store. The result is an instance of
-    ``torch_ctrl.StoreCollectives``; when ``TORCH_CTRL_HOSTS`` is set, its timeout and abort
-    errors also name the hosts of the ranks they mention.
-    Raises ``ValueError`` naming the variable when one is missing or malformed.
+    The result is an instance of ``torch_ctrl.StoreCollectives``; when ``TORCH_CTRL_HOSTS``
+    is set, its timeout and abort errors also name the hosts of the ranks they mention.
+
+    Args:
+        store: use this store instead of connecting to ``MASTER_ADDR:MASTER_PORT``.
+        timeout: bounds connecting to the store (a ``timedelta`` or seconds; default 300 s).
+        heartbeat_interval: passed to the collectives (``None``: liveness off).
+        env: the environment to read (default ``os.environ``).
+
+    Raises:
+        ValueError: a variable is missing or malformed (the message names it).
+
+    Example::
+
+        coll = torch_ctrl.from_env()  # in a worker started by torchrun
+        coll.barrier("epoch-3")
     """
     env = os.environ if env is None else env
     rank, world_size = _int_env(env, "RANK"), _int_env(env, "WORLD_SIZE")

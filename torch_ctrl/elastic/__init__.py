@@ -31,7 +31,12 @@ _ABSENT = object()  # the attribute was inherited, not set on the owner itself
 
 
 def is_installed() -> bool:
-    """Whether :func:`install` is in effect."""
+    """Whether :func:`install` is in effect.
+
+    Example::
+
+        torch_ctrl.elastic.is_installed()  # False until install()
+    """
     return bool(_saved)
 
 
@@ -42,6 +47,15 @@ def install(agent_hooks: bool = True) -> None:
     ``agent_hooks``, also wrap the elastic agent's methods (:mod:`torch_ctrl.elastic.agent`).
 
     Idempotent and reversible (:func:`uninstall`); logged once per process.
+
+    Args:
+        agent_hooks: also wrap the elastic agent's methods (default ``True``).
+
+    Example::
+
+        import torch_ctrl.elastic
+
+        torch_ctrl.elastic.install()  # before torchrun's agent starts, e.g. in a launcher
     """
     global _logged
     import importlib
@@ -65,7 +79,12 @@ def install(agent_hooks: bool = True) -> None:
 
 def uninstall() -> None:
     """Restore every original that :func:`install` replaced (and torch modules imported since
-    that copied a replacement). Idempotent."""
+    that copied a replacement). Idempotent.
+
+    Example::
+
+        torch_ctrl.elastic.uninstall()  # torch's functions exactly as before
+    """
     with _lock:
         replaced = {
             id(getattr(owner, name)): original for owner, name, original in _saved.values() if original is not _ABSENT
@@ -86,7 +105,16 @@ def uninstall() -> None:
 @contextmanager
 def installed(agent_hooks: bool = True) -> Iterator[None]:
     """``install()`` for the block; restores torch's originals afterwards, unless it was
-    already installed before the block."""
+    already installed before the block.
+
+    Args:
+        agent_hooks: as for :func:`install`.
+
+    Example::
+
+        with torch_ctrl.elastic.installed():
+            torch.distributed.run.main(args)
+    """
     was = is_installed()
     install(agent_hooks)
     try:

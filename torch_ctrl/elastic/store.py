@@ -41,7 +41,13 @@ _ARRIVALS = "/torch_ctrl_arrivals"
 @contextmanager
 def store_timeout(store: dist.Store, timeout: float) -> Iterator[None]:
     """Set ``store``'s timeout to ``timeout`` seconds for the block, then restore it
-    (also when the block raises)."""
+    (also when the block raises).
+
+    Example::
+
+        with store_timeout(store, 30):
+            store.get("ready")
+    """
     old = store.timeout
     store.set_timeout(timedelta(seconds=to_seconds(timeout)))
     try:
@@ -72,6 +78,14 @@ def get_all(store: dist.Store, rank: int, prefix: str, world_size: int) -> list[
     rank has read, so a rank 0 that hosts the store leaves last. Other ranks only arrive.
     Time: O(N) per rank. Keys: those of a barrier keyed ``{prefix}/finished``, deleted afterwards;
     the ``{prefix}{idx}`` keys belong to the callers and are left alone.
+
+    Raises:
+        torch.distributed.DistStoreError: a key was not set within the store's timeout.
+
+    Example::
+
+        store.set(f"addr/{rank}", my_addr)
+        addrs = get_all(store, rank, "addr/", world_size)
     """
     rank, world_size = _check(store, rank, world_size, prefix)
     values = [bytes(v) for v in store.multi_get([f"{prefix}{idx}" for idx in range(world_size)])]
@@ -93,6 +107,14 @@ def synchronize(
     Time: O(1) store round trips per rank on TCPStore (one appended log), O(N) bytes read;
     torch's version costs O(N) per rank and O(N^2) overall. Keys are those of an all_gather
     keyed ``{key_prefix}/synchronize``, deleted once all ranks have read them.
+
+    Raises:
+        torch.distributed.DistStoreError: not every rank arrived within ``timeout`` seconds
+            (a :class:`~torch_ctrl.CollectiveTimeoutError` naming the missing ranks).
+
+    Example::
+
+        infos = synchronize(store, json.dumps(info).encode(), rank, world_size, "node-info")
     """
     rank, world_size = _check(store, rank, world_size, key_prefix)
     payload = to_bytes(data)
@@ -119,6 +141,15 @@ def barrier(
     Keys are those of a barrier keyed ``{key_prefix}/barrier`` (and, without ``rank``, the
     counter ``{key_prefix}/torch_ctrl_arrivals``); all are deleted after the barrier, so
     the prefix can be used again once every rank has left.
+
+    Raises:
+        torch.distributed.DistStoreError: the barrier timed out (on every rank, naming the
+            missing ranks when ``rank`` is given).
+        AssertionError: ``rank_tracing_decoder`` without ``rank`` (as torch's).
+
+    Example::
+
+        barrier(store, world_size, key_prefix="ckpt-saved", barrier_timeout=600, rank=rank)
     """
     if rank is None and rank_tracing_decoder is not None:
         raise AssertionError("Tracing requires rank information")
