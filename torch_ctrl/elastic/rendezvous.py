@@ -1,23 +1,21 @@
-"""The ``ctrl`` rendezvous backend: torch's ``c10d`` backend, plus torch_ctrl.
+"""The ``ctrl`` rendezvous backend for torchrun.
 
-``torchrun --rdzv-backend=ctrl --rdzv-endpoint=HOST:PORT ...`` takes every ``c10d``
-option (``--rdzv-conf is_host=...``, timeouts, ...) and adds:
+``torchrun --rdzv-backend=ctrl --rdzv-endpoint=HOST:PORT ...`` takes every ``c10d`` option
+(``--rdzv-conf is_host=...,join_timeout=...,last_call_timeout=...``, ``--nnodes=MIN:MAX``) and
+runs torch_ctrl's own rendezvous (:mod:`torch_ctrl.elastic.ctrl_rendezvous`): O(1) store
+calls per node to join, per-node heartbeats, working scale-up and scale-down, and
 
 * the adapter and agent hooks (:func:`torch_ctrl.elastic.install`), installed in the
   torchrun process when the backend is created;
-* the bootstrap store address (MASTER_ADDR/MASTER_PORT) sent by node 0 through a
-  broadcast in the round's own namespace, so a round can never read an earlier round's
-  address;
-* :attr:`CtrlRendezvousHandler.round`, exported to workers as ``TORCH_CTRL_ROUND`` and
-  ``TORCHELASTIC_RESTART_COUNT`` (the same on every node of a round);
-* a clean workers' store for every round: torch shares one TCPStore with the workers of all
-  rounds and prefixes nothing per attempt, so after a restart a fast node's new workers could
-  read the previous attempt's keys (e.g. gloo peer addresses of dead workers, "Connection
-  refused"). Node 0 deletes them once the new round is complete (every old worker has been
-  stopped by then) and before it sends the bootstrap address, i.e. before any new worker starts.
+* every round has its own store namespace and its own bootstrap store (MASTER_ADDR/MASTER_PORT),
+  hosted by node 0 of that round, so a round can never read an earlier round's address or keys;
+* ``handler.round``, exported to workers as ``TORCH_CTRL_ROUND`` and
+  ``TORCHELASTIC_RESTART_COUNT`` (the same on every node of a round).
 
-The backend is registered through the ``torchrun.handlers`` entry point
-(:func:`handler_factory`); nothing else in this module runs at registration.
+:class:`CtrlRendezvousHandler` wraps any other torch handler (e.g. c10d's) with the round
+number and a round-scoped bootstrap broadcast; :func:`clear_worker_store` empties a workers'
+store shared across rounds. The backend is registered through the ``torchrun.handlers`` entry
+point (:func:`handler_factory`); nothing else in this module runs at registration.
 """
 
 from __future__ import annotations
@@ -25,6 +23,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+
+from .ctrl_rendezvous import NativeRendezvousHandler, config_from, create_native_handler
+
+__all__ = ["BACKEND", "CtrlRendezvousHandler", "NativeRendezvousHandler", "clear_worker_store", "create_handler"]
 
 BACKEND = "ctrl"
 _BOOTSTRAP_TIMEOUT = 300.0
@@ -49,15 +51,15 @@ def handler_factory() -> Any:
     return create_handler
 
 
-def create_handler(params: Any) -> CtrlRendezvousHandler:
-    """Create the ``ctrl`` handler from torchrun's ``RendezvousParameters``."""
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
-
+def create_handler(params: Any) -> NativeRendezvousHandler:
+    """Create the ``ctrl`` handler from torchrun's ``RendezvousParameters``: the native
+    rendezvous of :mod:`torch_ctrl.elastic.ctrl_rendezvous` (options validated first, one line
+    per error), with the adapter and agent hooks installed in this process."""
     from . import install
 
+    config_from(params)  # bad input fails before anything is installed or written
     install()
-    backend, store = c10d_rendezvous_backend.create_backend(params)
-    return CtrlRendezvousHandler(dynamic_rendezvous.create_handler(store, backend, params))
+    return create_native_handler(params)
 
 
 def _base() -> type:
@@ -67,8 +69,10 @@ def _base() -> type:
 
 
 class CtrlRendezvousHandler(_base()):  # type: ignore[misc]
-    """A ``DynamicRendezvousHandler`` (c10d) whose rounds are numbered for workers and whose
-    bootstrap address travels through a round-scoped broadcast."""
+    """Wraps another torch handler (e.g. c10d's ``DynamicRendezvousHandler``): its rounds are
+    numbered for workers, its bootstrap address travels through a round-scoped broadcast, and
+    node 0 empties a workers' store shared across rounds. The ``ctrl`` backend itself uses
+    :class:`NativeRendezvousHandler`, which needs none of this."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner

@@ -1,0 +1,365 @@
+"""The native ``ctrl`` rendezvous, handler by handler: real TCPStore servers on 127.0.0.1, one
+client per handler, handlers as threads (and one as a process that is SIGKILLed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from helpers import HOST, free_port
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+)
+
+from torch_ctrl.bench_rendezvous import MeteredStore
+from torch_ctrl.elastic.ctrl_rendezvous import (
+    NativeRendezvousHandler,
+    beat_store,
+    config_from,
+    create_native_handler,
+)
+
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # connection setup: see docs/troubleshooting.md
+pytestmark = pytest.mark.timeout(90)
+
+FAST = dict(keep_alive_interval=0.2, keep_alive_max_attempt=2, last_call_timeout=0.3, join_timeout=20)
+
+
+class Job:
+    """One TCPStore server and a run id; ``node()`` makes a handler with its own client."""
+
+    def __init__(self, lo: int, hi: int, **conf: Any) -> None:
+        self.server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+        self.port = self.server.port
+        self.lo, self.hi, self.conf = lo, hi, {**FAST, **conf}
+        self.run_id = f"run{self.port}"
+
+    def params(self, **conf: Any) -> RendezvousParameters:
+        return RendezvousParameters(
+            "ctrl", f"{HOST}:{self.port}", self.run_id, self.lo, self.hi, is_host=False, **{**self.conf, **conf}
+        )
+
+    def node(self, **conf: Any) -> NativeRendezvousHandler:
+        return create_native_handler(self.params(**conf))
+
+
+class Call:
+    """``fn()`` on a thread of its own; ``result()`` re-raises its error."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.started = time.monotonic()
+        self.elapsed = 0.0
+        threading.Thread(target=self._run, args=(fn,), daemon=True).start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self.value = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            self.error = exc
+        self.elapsed = time.monotonic() - self.started
+        self.done.set()
+
+    def result(self, timeout: float = 30.0) -> Any:
+        assert self.done.wait(timeout), "still blocked"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def join_all(handlers: list[NativeRendezvousHandler], timeout: float = 30.0) -> list[Any]:
+    calls = [Call(h.next_rendezvous) for h in handlers]
+    return [c.result(timeout) for c in calls]
+
+
+def until(cond: Callable[[], Any], timeout: float = 20.0) -> Any:
+    """Poll ``cond`` (a state the test observes, e.g. a counter) until it holds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+def _boot(info: Any) -> tuple[str, int]:
+    return info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port
+
+
+# ----------------------------------------------------------------------------- rounds
+
+
+def test_full_round_completes_at_once_with_deterministic_ranks() -> None:
+    job = Job(4, 4, last_call_timeout=60)  # the last call must not matter: max_nodes arrive
+    nodes = [job.node() for _ in range(4)]
+    start = time.monotonic()
+    infos = join_all(nodes)
+    assert time.monotonic() - start < 5
+    assert sorted(i.rank for i in infos) == [0, 1, 2, 3]
+    assert {i.world_size for i in infos} == {4}
+    assert len({_boot(i) for i in infos}) == 1  # every node: node 0's address
+    assert all(h.round == 0 and h.get_backend() == "ctrl" and h.get_run_id() == job.run_id for h in nodes)
+    # ranks follow the node ids (host, pid, local id), not who arrived first
+    by_rank = sorted(zip((i.rank for i in infos), nodes), key=lambda x: x[0])
+    assert [h._local_id for _, h in by_rank] == sorted(h._local_id for h in nodes)
+    # node 0 hosts a workers' store at that address
+    addr, port = _boot(infos[0])
+    dist.TCPStore(HOST, port, is_master=False, wait_for_workers=False).set("probe", "1")
+    # the round's store is the round's own namespace
+    infos[0].store.set("k", "v")
+    assert job.server.get(f"torch.rendezvous.{job.run_id}.0/k") == b"v"
+    assert [h.num_nodes_waiting() for h in nodes] == [0] * 4
+
+
+def test_last_call_admits_what_arrived_after_min_nodes() -> None:
+    job = Job(2, 4, last_call_timeout=1.0)
+    nodes = [job.node() for _ in range(2)]
+    calls = [Call(h.next_rendezvous) for h in nodes]
+    infos = [c.result() for c in calls]
+    assert {i.world_size for i in infos} == {2}
+    assert min(c.elapsed for c in calls) >= 0.9  # waited out the last call for more nodes
+    assert max(c.elapsed for c in calls) < 6
+
+
+def test_join_timeout_names_who_joined() -> None:
+    job = Job(3, 4, join_timeout=1.5)
+    calls = [Call(job.node().next_rendezvous) for _ in range(2)]
+    for c in calls:
+        with pytest.raises(RendezvousTimeoutError) as err:
+            c.result()
+        msg = str(err.value)
+        assert "\n" not in msg
+        assert "2 of min_nodes=3" in msg and "join_timeout=1.5s" in msg, msg
+        assert f":{os.getpid()}" in msg  # hosts named as host:pid
+        assert c.elapsed < 6
+
+
+def test_late_joiner_is_admitted_by_the_next_round() -> None:
+    """After a round of 2 (min 2, max 3), a third node waits, is counted by num_nodes_waiting()
+    on every node, and the next round has world size 3 with its own namespace and address
+    (torch's c10d: the third node never returns)."""
+    job = Job(2, 3)
+    a, b = job.node(), job.node()
+    first = join_all([a, b])
+    c = job.node()
+    late = Call(c.next_rendezvous)
+    until(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1)
+    again = join_all([a, b])  # torch's agent restarts its workers into a new round
+    third = late.result()
+    infos = [*again, third]
+    assert sorted(i.rank for i in infos) == [0, 1, 2] and {i.world_size for i in infos} == {3}
+    assert a.round == b.round == c.round == 1
+    assert len({_boot(i) for i in infos}) == 1
+    assert _boot(infos[0]) != _boot(first[0])  # a fresh bootstrap store for the new round
+    infos[0].store.set("k", "round1")
+    assert first[0].store.check(["k"]) is False  # nothing of the other round is visible
+    assert [h.num_nodes_waiting() for h in (a, b, c)] == [0, 0, 0]
+
+
+def test_closed_is_seen_everywhere() -> None:
+    job = Job(2, 3)
+    a, b = job.node(), job.node()
+    join_all([a, b])
+    waiting = Call(job.node().next_rendezvous)
+    until(lambda: a.num_nodes_waiting() == 1)
+    assert not a.is_closed()
+    b.set_closed()
+    assert a.is_closed() and b.is_closed()
+    with pytest.raises(RendezvousClosedError):
+        waiting.result()  # woken at once, not after a timeout
+    assert waiting.elapsed < 10
+    with pytest.raises(RendezvousClosedError):
+        a.next_rendezvous()
+    with pytest.raises(RendezvousClosedError):
+        job.node().next_rendezvous()
+
+
+def test_shutdown_closes_the_run_like_c10d() -> None:
+    job = Job(1, 2)
+    a = job.node()
+    join_all([a])
+    assert a.shutdown() is True
+    assert job.node().is_closed()
+
+
+def test_spares_wait_and_are_admitted_when_a_round_has_room() -> None:
+    """max 2: a third node is a spare (not counted as waiting: no restart for nothing); when a
+    member re-joins (its workers failed), the next round admits the spare."""
+    job = Job(1, 2)
+    a, b = job.node(), job.node()
+    join_all([a, b])
+    spare = job.node()
+    call = Call(spare.next_rendezvous)
+    until(lambda: int(job.server.add(f"torch_ctrl/rdzv/{job.run_id}/1/arrived", 0)) == 1)
+    assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0
+    rejoin_a = Call(a.next_rendezvous)  # a's workers failed: it re-joins
+    until(lambda: b.num_nodes_waiting() >= 2)  # now everyone must restart
+    rejoin_b = Call(b.next_rendezvous)
+    info = call.result()
+    assert info.world_size == 2 and spare.round == 1
+    admitted = [c for c in (rejoin_a, rejoin_b) if c.done.wait(5)]
+    assert len(admitted) == 1  # the round was full: the last to re-join is now the spare
+    left_out = rejoin_b if admitted == [rejoin_a] else rejoin_a
+    assert not left_out.done.is_set()
+    spare.set_closed()
+    with pytest.raises(RendezvousClosedError):
+        left_out.result()
+
+
+def test_a_node_whose_heartbeat_stops_never_holds_a_round_back() -> None:
+    """min 2, max 3: one of three arrivals stops heartbeating before the round fills; the other
+    two get a round of 2 after the last call (and it is told it was judged dead)."""
+    job = Job(2, 3, last_call_timeout=0.5)
+    a, b, dead = job.node(), job.node(), job.node()
+    dead_call = Call(dead.next_rendezvous)
+    until(lambda: job.server.check([f"torch_ctrl/rdzv/{job.run_id}/0/n/1"]))
+    dead._stop_heartbeats()
+    limit = job.conf["keep_alive_interval"] * job.conf["keep_alive_max_attempt"]
+    hb = f"torch_ctrl/rdzv/{job.run_id}/hb/{dead.node}"
+    until(lambda: time.time() - float(job.server.get(hb).split()[0]) > limit + 0.1)  # its heartbeat is stale
+    infos = join_all([a, b])
+    assert {i.world_size for i in infos} == {2}
+    job.server.set(f"torch_ctrl/rdzv/{job.run_id}/closed", "1")  # release the dead node's thread
+    a.set_closed()
+    with pytest.raises(RendezvousClosedError):
+        dead_call.result()
+
+
+_NODE = """
+import os, sys
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch_ctrl.elastic.ctrl_rendezvous import create_native_handler
+port, run_id = int(sys.argv[1]), sys.argv[2]
+h = create_native_handler(RendezvousParameters("ctrl", f"127.0.0.1:{port}", run_id, 2, 3, is_host=False,
+    keep_alive_interval=0.2, keep_alive_max_attempt=2, last_call_timeout=1.0, join_timeout=20))
+info = h.next_rendezvous()
+print("ROUND", h.round, info.world_size, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_member_killed_with_sigkill_is_dropped_by_keep_alive() -> None:
+    """Round 0 = two threads + one process; the process is SIGKILLed; the two re-join and get a
+    round of 2 within keep_alive_interval * keep_alive_max_attempt + last call (+ slack)."""
+    job = Job(2, 3, last_call_timeout=1.0)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _NODE, str(job.port), job.run_id],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        a, b = job.node(), job.node()
+        until(lambda: job.server.check([f"torch_ctrl/rdzv/{job.run_id}/0/n/1"]))  # the process has arrived
+        infos = join_all([a, b])
+        assert proc.stdout is not None and proc.stdout.readline().split() == ["ROUND", "0", "3"]
+        assert {i.world_size for i in infos} == {3}
+        proc.kill()
+        proc.wait()
+        start = time.monotonic()
+        again = join_all([a, b])
+        assert {i.world_size for i in again} == {2} and a.round == b.round == 1
+        assert time.monotonic() - start < 8
+    finally:
+        proc.kill()
+
+
+# ----------------------------------------------------------------------------- cost
+
+
+def _per_node_calls(n: int) -> tuple[list[int], list[int]]:
+    job = Job(n, n)
+    params = job.params()
+    beats = beat_store(HOST, job.port, 60.0)
+    stores = [MeteredStore(dist.TCPStore(HOST, job.port, is_master=False)) for _ in range(n)]
+    nodes = [NativeRendezvousHandler(config_from(params), s, beats) for s in stores]
+    idents: list[int] = [0] * n
+
+    def body(i: int) -> Any:
+        idents[i] = threading.get_ident()
+        return nodes[i].next_rendezvous()
+
+    calls = [Call(lambda i=i: body(i)) for i in range(n)]
+    for c in calls:
+        c.result()
+    return [s.total(i) for s, i in zip(stores, idents)], [s.bytes(i) for s, i in zip(stores, idents)]
+
+
+def test_join_costs_o1_store_calls_and_bytes_per_node() -> None:
+    """The critical path of each node (calls on its own thread): the same at 4 and 32 nodes,
+    except for the one node that seals the round (a constant number of calls, O(N) bytes)."""
+    small, small_bytes = _per_node_calls(4)
+    large, large_bytes = _per_node_calls(32)
+    assert sorted(small)[:-1] == [6] * 3 and sorted(large)[:-1] == [6] * 31, (small, large)
+    assert max(small) == max(large) <= 13  # the sealer
+    # bytes of the non-sealers do not grow with N (only key names and the rank text vary)
+    assert sorted(large_bytes)[-2] <= sorted(small_bytes)[-2] + 16, (small_bytes, large_bytes)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_is_one_line_before_anything_is_written() -> None:
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    endpoint = f"{HOST}:{server.port}"
+
+    def params(lo: int = 1, hi: int = 2, **conf: Any) -> RendezvousParameters:
+        p = RendezvousParameters("ctrl", endpoint, "bad", 1, 2, is_host=False, **conf)
+        p.min_nodes, p.max_nodes = lo, hi  # RendezvousParameters checks these too; ours must as well
+        return p
+
+    cases = [
+        (params(3, 2), "min_nodes=3 is greater than max_nodes=2"),
+        (params(0, 2), "min_nodes=0 must be at least 1"),
+        (params(join_timeout="soon"), "join_timeout='soon' is not a number of seconds"),
+        (params(last_call_timeout="-1"), "last_call_timeout='-1' must be a positive number"),
+        (params(keep_alive_interval="x"), "keep_alive_interval='x'"),
+        (params(keep_alive_max_attempt="many"), "keep_alive_max_attempt='many' is not an integer"),
+    ]
+    for p, text in cases:
+        with pytest.raises(ValueError) as err:
+            create_native_handler(p)
+        assert text in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert server.num_keys() == 0
+
+
+def test_unreachable_endpoint_fails_within_join_timeout() -> None:
+    p = RendezvousParameters("ctrl", f"{HOST}:{free_port()}", "nobody", 1, 2, is_host=False, join_timeout=1)
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError) as err:
+        create_native_handler(p)
+    assert time.monotonic() - start < 10
+    msg = str(err.value)
+    assert "cannot reach the rendezvous store" in msg and "join_timeout=1s" in msg and "\n" not in msg
+
+
+def test_the_registry_creates_the_native_handler() -> None:
+    from torch.distributed.elastic.rendezvous import registry
+
+    import torch_ctrl.elastic as elastic
+
+    was = elastic.is_installed()
+    job = Job(1, 1)
+    try:
+        handler = registry.get_rendezvous_handler(job.params())
+        assert isinstance(handler, NativeRendezvousHandler) and handler.get_backend() == "ctrl"
+        info = handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        assert handler.shutdown() is True
+    finally:
+        if not was:
+            elastic.uninstall()

@@ -1,0 +1,814 @@
+"""The native ``ctrl`` rendezvous: O(1) store calls per node to join a round.
+
+torch's ``c10d`` rendezvous keeps the whole rendezvous in one pickled blob that every node
+rewrites with ``compare_set``: each join or keep-alive rewrites O(N) bytes and collides with
+every other node's attempt. Here each node only touches keys of its own, plus counters that
+the store increments atomically; one node per round (the *sealer*) reads the round's
+membership once and writes everybody's rank in one request.
+
+Keys, all on the rendezvous store (``R = torch_ctrl/rdzv/{run_id}``; ``r`` a round, ``k`` an
+arrival slot, 1-based):
+
+============================  ===============================================================
+``R/open``                    ``"{r},{size of round r-1}"``: the round open for joining (a hint:
+                              an arrival that finds ``r`` sealed moves on), or ``"closed"``
+``R/closed``                  present once the run is closed
+``R/hb/{node}``               ``"{unix time} {attempt}"``: the node's heartbeat (a ``set`` every
+                              ``keep_alive_interval``; a negative time = withdrawn)
+``R/{r}/arrived``             counter: +1 per arrival, +2^24 more if the arriver was a member
+                              of round r-1, +2^48 when the round is sealed or closed
+``R/{r}/n/{k}``               ``"{host}\\t{pid}\\t{local id}\\t{attempt}"``: who took slot ``k``
+``R/{r}/rank/{k}``            ``"{rank} {world size}"``, or ``s`` (spare: the round was full),
+                              ``d`` (judged dead), ``c`` (closed)
+``R/{r}/members``             node ids of round ``r`` in rank order (read only to find dead ones)
+``R/{r}/seal``                the round's size
+``R/{r}/last_call``           unix time the last call started (the first writer wins)
+``R/{r}/lead``                the slot of the round's leader, once another took over from slot 1
+``R/{r}/boot``                ``"{addr}\\n{port}"``: the round's bootstrap store, from its node 0
+============================  ===============================================================
+
+The round's own store (``RendezvousInfo.store``) is ``PrefixStore("torch.rendezvous.{run_id}.{r}")``
+over the rendezvous store, as with ``c10d``. See ``docs/protocol.md`` ("The ctrl rendezvous")
+for what each node does and why each step costs what it costs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import cache
+from typing import Any
+
+import torch.distributed as dist
+
+log = logging.getLogger("torch_ctrl.elastic")
+
+__all__ = ["NativeRendezvousHandler", "RendezvousConfig", "config_from", "connect", "create_native_handler"]
+
+BACKEND = "ctrl"
+DEFAULT_PORT = 29400
+ROOT = "torch_ctrl/rdzv"
+
+# The arrival counter packs three fields into one integer, so one atomic add both takes a
+# slot and says who arrived: bits 0-23 count arrivals, bits 24-47 count members of the
+# previous round among them, and 2^48 is added once when the round is sealed or closed.
+COUNT_MASK = (1 << 24) - 1
+MEMBER = 1 << 24
+SEALED = 1 << 48
+
+SPARE, DEAD, CLOSED = "s", "d", "c"
+
+_local_ids = itertools.count()  # process-wide, like c10d's node descriptors (next() is atomic under the GIL)
+
+
+def _errors() -> Any:
+    from torch.distributed.elastic.rendezvous import api
+
+    return api
+
+
+def _closed_error(msg: str, spare: bool) -> Exception:
+    """``RendezvousClosedError``; for a spare, also torch's ``RendezvousGracefulExitError``
+    (c10d's spares exit gracefully when the run closes; torch's agent catches that type)."""
+    api = _errors()
+    graceful = getattr(api, "RendezvousGracefulExitError", None)
+    if spare and graceful is not None:
+        return type("RendezvousClosedGracefully", (graceful, api.RendezvousClosedError), {})(msg)
+    return api.RendezvousClosedError(msg)
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    """What the ``ctrl`` rendezvous reads from torchrun's parameters (c10d's options, in seconds)."""
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    close_timeout: float = 30.0
+    heartbeat_timeout: float = 5.0
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
+    read_timeout: float = 60.0
+    local_addr: str | None = None
+
+    @property
+    def dead_after(self) -> float:
+        """Seconds without a heartbeat after which a node counts as dead."""
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+
+def _seconds(params: Any, name: str, default: float) -> float:
+    value = params.get(name, default)
+    try:
+        seconds = float(value.total_seconds() if isinstance(value, timedelta) else value)
+    except (TypeError, ValueError):
+        raise ValueError(f"ctrl rendezvous: {name}={value!r} is not a number of seconds") from None
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"ctrl rendezvous: {name}={value!r} must be a positive number of seconds")
+    return seconds
+
+
+def config_from(params: Any) -> RendezvousConfig:
+    """Validate torchrun's ``RendezvousParameters``; raises ``ValueError`` (one line) on bad input."""
+    if not params.run_id:
+        raise ValueError("ctrl rendezvous: the run id (--rdzv-id) must be a non-empty string")
+    try:
+        lo, hi = int(params.min_nodes), int(params.max_nodes)
+    except (TypeError, ValueError):
+        raise ValueError(f"ctrl rendezvous: --nnodes={params.min_nodes}:{params.max_nodes} is not numeric") from None
+    if lo < 1:
+        raise ValueError(f"ctrl rendezvous: min_nodes={lo} must be at least 1")
+    if hi < lo:
+        raise ValueError(f"ctrl rendezvous: min_nodes={lo} is greater than max_nodes={hi}")
+    attempts = params.get("keep_alive_max_attempt", 3)
+    try:
+        attempts = int(attempts)
+    except (TypeError, ValueError):
+        raise ValueError(f"ctrl rendezvous: keep_alive_max_attempt={attempts!r} is not an integer") from None
+    if attempts < 1:
+        raise ValueError(f"ctrl rendezvous: keep_alive_max_attempt={attempts} must be at least 1")
+    store_type = str(params.get("store_type", "tcp")).strip().lower()
+    if store_type != "tcp":
+        raise ValueError(f"ctrl rendezvous: store_type={store_type!r} is not supported (only 'tcp')")
+    return RendezvousConfig(
+        run_id=str(params.run_id),
+        min_nodes=lo,
+        max_nodes=hi,
+        join_timeout=_seconds(params, "join_timeout", 600.0),
+        last_call_timeout=_seconds(params, "last_call_timeout", 30.0),
+        close_timeout=_seconds(params, "close_timeout", 30.0),
+        heartbeat_timeout=_seconds(params, "heartbeat_timeout", 5.0),
+        keep_alive_interval=_seconds(params, "keep_alive_interval", 5.0),
+        keep_alive_max_attempt=attempts,
+        read_timeout=_seconds(params, "read_timeout", 60.0),
+        local_addr=getattr(params, "local_addr", None),
+    )
+
+
+def _is_host(params: Any, host: str) -> bool:
+    """c10d's rule: ``is_host`` if given, else whether the endpoint names this machine."""
+    explicit = params.get_as_bool("is_host")
+    if explicit is not None:
+        return bool(explicit)
+    from torch.distributed.elastic.rendezvous import utils
+
+    matches = getattr(utils, "_matches_machine_hostname", None)  # torch-private; the only one used here
+    if matches is not None:
+        return bool(matches(host))
+    return host in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn())
+
+
+def connect(params: Any, config: RendezvousConfig) -> tuple[dist.Store, str, int]:
+    """The rendezvous TCPStore (hosted here when ``is_host``, c10d's rules) and its address.
+
+    A client keeps retrying until ``join_timeout``; then ``RendezvousConnectionError``, one line.
+    """
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    api = _errors()
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+    hosting = _is_host(params, host)
+    use_libuv = params.get_as_bool("use_libuv", True)
+    explicit = params.get_as_bool("is_host") is not None
+    last: Exception | None = None
+    for server in [hosting, False] if hosting else [False]:
+        kwargs: dict[str, Any] = dict(
+            is_master=server, multi_tenant=True, timeout=timedelta(seconds=config.join_timeout)
+        )
+        if use_libuv is not None and not use_libuv:
+            kwargs["use_libuv"] = False
+        try:
+            store = dist.TCPStore(host, port, **kwargs)
+        except (RuntimeError, ValueError, TimeoutError) as exc:
+            last = exc
+            if server and not explicit:
+                continue  # guessed wrong: another process on this machine hosts it
+            break
+        store.set_timeout(timedelta(seconds=config.read_timeout))
+        if server:
+            log.info("torch_ctrl: process %d hosts the ctrl rendezvous store on port %d", os.getpid(), store.port)
+        return store, host, int(store.port)
+    cause = str(last).strip().splitlines()[0] if last is not None and str(last).strip() else type(last).__name__
+    raise api.RendezvousConnectionError(
+        f"ctrl rendezvous: cannot reach the rendezvous store at {host}:{port} "
+        f"within join_timeout={config.join_timeout:g}s ({cause})"
+    ) from None
+
+
+@cache
+def _this_host() -> str:
+    """This machine's FQDN, looked up once per process (a stalled resolver costs seconds per lookup)."""
+    return socket.getfqdn()
+
+
+# ----------------------------------------------------------------------------- heartbeats
+
+_beat_lock = threading.Lock()
+_beat_stores: dict[tuple[str, int], dist.Store] = {}
+
+
+def beat_store(host: str, port: int, timeout: float) -> dist.Store:
+    """One connection per rendezvous endpoint and process, for heartbeats only: a node's own
+    connection is blocked in a read while it waits for its round."""
+    with _beat_lock:
+        store = _beat_stores.get((host, port))
+        if store is None:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+            _beat_stores[(host, port)] = store
+        return store
+
+
+class _Beater:
+    """One daemon thread per process beats for every live handler: each due handler's
+    heartbeat is one ``set`` of its own key (batched per connection into one ``multi_set``).
+    Handlers are held weakly: a handler that is garbage collected stops beating, as in c10d."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._due: dict[int, tuple[weakref.ref[NativeRendezvousHandler], float]] = {}
+        self._thread: threading.Thread | None = None
+
+    def watch(self, handler: NativeRendezvousHandler) -> None:
+        with self._cv:
+            self._due[id(handler)] = (weakref.ref(handler), time.monotonic() + handler.config.keep_alive_interval)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="torch_ctrl-rdzv-heartbeats", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def forget(self, handler: NativeRendezvousHandler) -> None:
+        with self._cv:
+            self._due.pop(id(handler), None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                now = time.monotonic()
+                due = [(i, ref) for i, (ref, at) in self._due.items() if at <= now]
+                if not due:
+                    nxt = min((at for _, at in self._due.values()), default=None)
+                    self._cv.wait(None if nxt is None else nxt - now)
+                    continue
+                for i, ref in due:
+                    h = ref()
+                    if h is None:
+                        del self._due[i]
+                    else:
+                        self._due[i] = (ref, now + h.config.keep_alive_interval)
+            batches: dict[int, tuple[dist.Store, list[str], list[str]]] = {}
+            for _, ref in due:
+                h = ref()
+                if h is not None:
+                    store, keys, values = batches.setdefault(id(h._beats), (h._beats, [], []))
+                    keys.append(h._hb_key)
+                    values.append(h._beat_value())
+            for store, keys, values in batches.values():
+                try:
+                    store.multi_set(keys, values)
+                except Exception as exc:  # noqa: BLE001 - a missed beat is what keep_alive_max_attempt allows
+                    log.warning("torch_ctrl: rendezvous heartbeat failed: %s", str(exc).splitlines()[0] if exc else exc)
+
+
+_beater = _Beater()
+
+
+# ----------------------------------------------------------------------------- the handler
+
+
+@dataclass(frozen=True)
+class _Record:
+    host: str
+    pid: int
+    local_id: int
+    attempt: int
+
+    @property
+    def node(self) -> str:
+        return f"{self.host}_{self.pid}_{self.local_id}"
+
+    @property
+    def order(self) -> tuple[str, int, int]:
+        return (self.host, self.pid, self.local_id)
+
+    def encode(self) -> str:
+        return f"{self.host}\t{self.pid}\t{self.local_id}\t{self.attempt}"
+
+    @staticmethod
+    def decode(raw: bytes) -> _Record:
+        host, pid, local, attempt = raw.decode().split("\t")
+        return _Record(host, int(pid), int(local), int(attempt))
+
+
+class _Spare(Exception):
+    """This node was not admitted to the round it joined (full, or judged dead): join the next."""
+
+    def __init__(self, full: bool) -> None:
+        super().__init__()
+        self.full = full
+
+
+def _base() -> type:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+    return RendezvousHandler
+
+
+class NativeRendezvousHandler(_base()):  # type: ignore[misc]
+    """torch's ``RendezvousHandler`` contract on O(1)-per-node store calls (see the module doc).
+
+    ``store`` is this node's connection to the rendezvous store (it blocks in reads while the
+    node waits); ``beats`` a connection for heartbeats (shared by the handlers of a process).
+    ``round`` is the last round this node was admitted to (exported to workers by the hooks).
+    """
+
+    def __init__(
+        self,
+        config: RendezvousConfig,
+        store: dist.Store,
+        beats: dist.Store | None = None,
+        *,
+        host: str | None = None,
+    ) -> None:
+        self.config = config
+        self._store = store
+        self._beats = beats if beats is not None else store
+        self._host = host or config.local_addr or _this_host()
+        self._local_id = next(_local_ids)
+        self._root = f"{ROOT}/{config.run_id}"
+        self._hb_key = f"{self._root}/hb/{self.node}"
+        self._attempt = 0
+        self.round: int | None = None
+        self._rank: int | None = None
+        self._world_size = 0
+        self._server: dist.Store | None = None  # the workers' store of the current round (node 0)
+        self._lead_check = 0.0
+
+    # ---------------------------------------------------------------- identity and keys
+    @property
+    def node(self) -> str:
+        """This node's id: ``{host}_{pid}_{local id}`` (as c10d's node descriptors)."""
+        return f"{self._host}_{os.getpid()}_{self._local_id}"
+
+    @property
+    def settings(self) -> RendezvousConfig:
+        """The validated configuration (c10d's handler has ``settings`` too)."""
+        return self.config
+
+    def _k(self, rnd: int, name: str) -> str:
+        return f"{self._root}/{rnd}/{name}"
+
+    def _beat_value(self) -> str:
+        return f"{time.time():.3f} {self._attempt}"
+
+    def _withdrawn(self) -> str:
+        """A heartbeat that reads as dead at once: minus the time this node left."""
+        return f"-{time.time():.3f} {self._attempt}"
+
+    # ---------------------------------------------------------------- torch's contract
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        """As c10d: workers share a store hosted by node 0's agent unless
+        ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (here a fresh one per round)."""
+        return os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1"
+
+    def get_run_id(self) -> str:
+        return self.config.run_id
+
+    def is_closed(self) -> bool:
+        """One ``check``."""
+        return bool(self._call(self._store.check, [f"{self._root}/closed"]))
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting for the next round that it can admit: one ``add(…, 0)`` on the next
+        round's arrival counter. Spares are not counted while this round is full, unless one of
+        its members is re-joining (then every member must restart)."""
+        if self.round is None:
+            return 0
+        v = int(self._call(self._store.add, self._k(self.round + 1, "arrived"), 0))
+        count, members = v & COUNT_MASK, (v >> 24) & COUNT_MASK
+        return count if members or self._world_size < self.config.max_nodes else 0
+
+    def set_closed(self) -> None:
+        """Close the run for every node: ``closed`` and ``open`` are marked, and the rounds being
+        formed are sealed as closed (their waiters wake at once). O(waiting nodes), once."""
+        store = self._store
+        self._call(store.set, f"{self._root}/closed", "1")
+        current = self._read_open_raw()
+        if current == CLOSED_OPEN:
+            return  # closed before: whoever closed it sealed the rounds being formed
+        while current != CLOSED_OPEN:
+            got = self._call(store.compare_set, f"{self._root}/open", current, CLOSED_OPEN).decode()
+            current = CLOSED_OPEN if got == CLOSED_OPEN else got
+        rnd = self._open_round_hint
+        for r in (rnd, rnd + 1):
+            v = int(self._call(store.add, self._k(r, "arrived"), SEALED))
+            if v < 2 * SEALED:  # we closed it before any sealer: nobody else writes its slots
+                count = v & COUNT_MASK
+                if count:
+                    keys = [self._k(r, f"rank/{k}") for k in range(1, count + 1)]
+                    self._call(store.multi_set, keys, [CLOSED] * count)
+
+    def shutdown(self) -> bool:
+        """Leave: stop heartbeating, withdraw this node at once (it never holds a round back),
+        and close the run as torch's c10d handler does (torchrun calls this when its agent is
+        done, and skips it when the agent is killed by a signal). False on a store error."""
+        _beater.forget(self)
+        try:
+            self._call(self._beats.set, self._hb_key, self._withdrawn())
+            self.set_closed()
+            return True
+        except _errors().RendezvousError as exc:
+            log.warning("torch_ctrl: the ctrl rendezvous '%s' could not be closed: %s", self.config.run_id, exc)
+            return False
+        finally:
+            self._server = None
+
+    def _stop_heartbeats(self) -> None:
+        """Stop this node's heartbeats (c10d has the same private method): its peers will find
+        it dead after ``keep_alive_interval * keep_alive_max_attempt``."""
+        _beater.forget(self)
+
+    # ---------------------------------------------------------------- joining
+    def next_rendezvous(self) -> Any:
+        """Join the open round; block until it is sealed with this node in it (or raise).
+
+        Critical path per node: ``compare_set`` (read ``open``), ``add`` (take a slot),
+        ``multi_set`` (heartbeat + record), ``wait`` + ``get`` of its rank, ``get``/``set`` of the
+        bootstrap address: 6 calls, O(1) bytes. The sealer adds 3 calls moving O(N) bytes, once
+        per round.
+        """
+        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+        cfg = self.config
+        deadline = time.monotonic() + cfg.join_timeout
+        self._attempt += 1
+        previous = self.round
+        rnd, prev_size = self._read_open()
+        member = previous is not None and rnd == previous + 1
+        spare = rnd > 0 and prev_size >= cfg.max_nodes and not member
+        while True:
+            v = int(self._call(self._store.add, self._k(rnd, "arrived"), 1 + (MEMBER if member else 0)))
+            if v >= SEALED:  # sealed (or closed) between our read of `open` and our arrival
+                rnd, member = rnd + 1, False
+                prev_size = self._sealed_size(rnd - 1)
+                spare = prev_size >= cfg.max_nodes
+                continue
+            slot = v & COUNT_MASK
+            record = _Record(self._host, os.getpid(), self._local_id, self._attempt)
+            self._call(
+                self._store.multi_set,
+                [self._hb_key, self._k(rnd, f"n/{slot}")],
+                [self._beat_value(), record.encode()],
+            )
+            _beater.watch(self)
+            try:
+                rank, world = self._wait_for_seat(rnd, slot, v, prev_size, spare, deadline)
+                break
+            except _Spare as exc:
+                rnd, member = rnd + 1, False
+                spare = exc.full
+                prev_size = self._sealed_size(rnd - 1)
+        addr, port, server = self._bootstrap(rnd, rank)
+        self._server = server  # the previous round's workers' store (if any) goes away
+        self.round, self._rank, self._world_size = rnd, rank, world
+        log.info(
+            "torch_ctrl: node %s joined round %d of the ctrl rendezvous '%s' as rank %d of %d",
+            self.node,
+            rnd,
+            cfg.run_id,
+            rank,
+            world,
+        )
+        store = dist.PrefixStore(f"torch.rendezvous.{cfg.run_id}.{rnd}", self._store)
+        return RendezvousInfo(store, rank, world, RendezvousStoreInfo(addr, port))
+
+    def _wait_for_seat(
+        self, rnd: int, slot: int, v: int, prev_size: int, spare: bool, deadline: float
+    ) -> tuple[int, int]:
+        """Block on this slot's rank key; the node that completes the round seals it. Waiters wake
+        every ``keep_alive_interval`` only to notice a closed run or a dead leader (O(1) calls)."""
+        cfg = self.config
+        key = self._k(rnd, f"rank/{slot}")
+        due = self._maybe_seal(rnd, v, prev_size, lead=slot == 1)
+        self._lead_check = time.monotonic() + cfg.dead_after
+        while True:
+            now = time.monotonic()
+            wake = now + cfg.keep_alive_interval
+            if due is not None:
+                wake = min(wake, due)
+            if not spare:
+                wake = min(wake, deadline)
+            raw = self._blocking_get(key, max(wake - now, 0.001))
+            if raw is not None:
+                return self._seat(raw, spare)
+            if self.is_closed():
+                raise _closed_error(f"ctrl rendezvous '{cfg.run_id}' is closed", spare)
+            lead = self._leader(rnd, slot)
+            due = self._maybe_seal(rnd, None, prev_size, lead=lead) if lead else None
+            if not spare and time.monotonic() >= deadline:
+                return self._time_out(rnd, slot, prev_size, spare)
+
+    def _seat(self, raw: bytes, spare: bool) -> tuple[int, int]:
+        text = raw.decode()
+        if text == CLOSED:
+            raise _closed_error(f"ctrl rendezvous '{self.config.run_id}' is closed", spare)
+        if text in (SPARE, DEAD):
+            raise _Spare(full=text == SPARE)
+        rank, world = text.split()
+        return int(rank), int(world)
+
+    # ---------------------------------------------------------------- sealing
+    def _maybe_seal(self, rnd: int, v: int | None, prev_size: int, lead: bool) -> float | None:
+        """Seal round ``rnd`` if it is complete; returns when to look again (last call), if known.
+
+        Complete: round ``rnd - 1`` is released (each of its members re-joined or is dead) and
+        either ``max_nodes`` live nodes arrived, or ``min_nodes`` did and the last call ran out.
+        Only the leader looks for dead members of the previous round (O(N) bytes, one node)."""
+        cfg = self.config
+        if v is None:
+            v = int(self._call(self._store.add, self._k(rnd, "arrived"), 0))
+        if v >= SEALED:
+            return None
+        count, rejoined = v & COUNT_MASK, (v >> 24) & COUNT_MASK
+        released = rnd == 0 or rejoined >= prev_size
+        if not released and lead:
+            released = rejoined + self._dead_members(rnd - 1) >= prev_size
+        if not released or count < cfg.min_nodes:
+            return None
+        if count >= cfg.max_nodes and self._seal(rnd, prev_size, last_call_over=False, v0=v):
+            return None  # the fast path: max_nodes live nodes, sealed at once
+        # The first node to see the round sealable starts the last call; only it and the leader
+        # keep time (everyone else just waits for its rank), so expiry costs O(1) sealers.
+        mine = f"{time.time():.3f}"
+        started = self._call(self._store.compare_set, self._k(rnd, "last_call"), "", mine).decode()
+        if started != mine and not lead:
+            return None
+        left = float(started) + cfg.last_call_timeout - time.time()
+        if left > 0:
+            return time.monotonic() + left
+        self._seal(rnd, prev_size, last_call_over=True)
+        return None
+
+    def _seal(self, rnd: int, prev_size: int, last_call_over: bool, v0: int | None = None) -> bool:
+        """Seal round ``rnd``: check who is alive, close the arrival counter (the first closer
+        is the only sealer), rank the members by node id and write every slot's outcome, the
+        members and the size in one ``multi_set``. Returns whether this node sealed it."""
+        cfg = self.config
+        store = self._store
+        if v0 is None:
+            v0 = int(self._call(store.add, self._k(rnd, "arrived"), 0))
+        if v0 >= SEALED:
+            return False
+        records = self._records(rnd, 1, v0 & COUNT_MASK)
+        alive = self._alive(records)
+        live = sum(alive)
+        enough = live >= cfg.max_nodes or (live >= cfg.min_nodes and last_call_over)
+        if not enough:
+            return False
+        v = int(self._call(store.add, self._k(rnd, "arrived"), SEALED))
+        if v >= 2 * SEALED:
+            return False  # another node is sealing (or the run was closed)
+        count = v & COUNT_MASK
+        if count > len(records):  # arrived since our check: fresh, so alive
+            extra = self._records(rnd, len(records) + 1, count)
+            records += extra
+            alive += [r is not None for r in extra]
+        live_slots = [k for k in range(count) if alive[k]]
+        admitted = live_slots[: cfg.max_nodes]
+        ordered = sorted(admitted, key=lambda k: records[k].order)  # type: ignore[union-attr]
+        rank_of = {k: i for i, k in enumerate(ordered)}
+        world = len(ordered)
+        keys, values = [], []
+        for k in range(count):
+            keys.append(self._k(rnd, f"rank/{k + 1}"))
+            values.append(f"{rank_of[k]} {world}" if k in rank_of else (SPARE if alive[k] else DEAD))
+        keys += [self._k(rnd, "members"), self._k(rnd, "seal")]
+        values += ["\n".join(records[k].node for k in ordered), str(world)]  # type: ignore[union-attr]
+        self._call(store.multi_set, keys, values)
+        # advance the `open` hint unless the run was closed or a later round sealed meanwhile
+        expected, desired = f"{rnd},{prev_size}", f"{rnd + 1},{world}"
+        while True:
+            got = self._call(store.compare_set, f"{self._root}/open", expected, desired).decode()
+            if got in (desired, CLOSED_OPEN) or int(got.split(",")[0]) > rnd:
+                break
+            expected = got  # a stale hint (a sealer that died before advancing it): replace it
+        log.info("torch_ctrl: sealed round %d of the ctrl rendezvous '%s' with %d nodes", rnd, cfg.run_id, world)
+        return True
+
+    def _records(self, rnd: int, first: int, last: int) -> list[_Record | None]:
+        """Records of slots ``first..last`` (one ``multi_get``); a slot whose node died between
+        taking it and writing its record reads as None (after the read timeout, per key)."""
+        if last < first:
+            return []
+        keys = [self._k(rnd, f"n/{k}") for k in range(first, last + 1)]
+        try:
+            return [_Record.decode(bytes(raw)) for raw in self._call(self._store.multi_get, keys)]
+        except _errors().RendezvousConnectionError:
+            out: list[_Record | None] = []
+            for key in keys:
+                ok = self._call(self._store.check, [key])
+                out.append(_Record.decode(bytes(self._call(self._store.get, key))) if ok else None)
+            return out
+
+    def _alive(self, records: Sequence[_Record | None], recent: bool = False) -> list[bool]:
+        """Whether each slot's node heartbeats, for the attempt that took the slot (one
+        ``multi_get``); with ``recent``, also nodes that withdrew within ``dead_after`` (e.g.
+        that timed out together with this one)."""
+        present = [r for r in records if r is not None]
+        if not present:
+            return [False] * len(records)
+        beats = self._call(self._store.multi_get, [f"{self._root}/hb/{r.node}" for r in present])
+        now, limit = time.time(), self.config.dead_after
+        fresh = {}
+        for r, raw in zip(present, beats):
+            t, attempt = bytes(raw).decode().split()
+            when = abs(float(t)) if recent else float(t)
+            fresh[r.node] = when > 0 and now - when <= limit and int(attempt) == r.attempt
+        return [r is not None and fresh[r.node] for r in records]
+
+    def _dead_members(self, rnd: int) -> int:
+        """How many members of sealed round ``rnd`` have stopped heartbeating (the leader's slow path)."""
+        raw = self._call(self._store.compare_set, self._k(rnd, "members"), "\x01", "\x02")
+        if raw == b"\x01" or not raw:
+            return 0
+        nodes = raw.decode().split("\n")
+        beats = self._call(self._store.multi_get, [f"{self._root}/hb/{n}" for n in nodes])
+        now, limit = time.time(), self.config.dead_after
+        return sum(1 for b in beats if now - float(bytes(b).decode().split()[0]) > limit)
+
+    def _leader(self, rnd: int, slot: int) -> bool:
+        """Whether this node leads round ``rnd`` (watches timers and dead nodes). Slot 1 leads;
+        every ``dead_after`` seconds the others check the leader's heartbeat and, if it stopped,
+        one of them takes over with ``compare_set`` (2-3 calls per node per period)."""
+        raw = self._call(self._store.compare_set, self._k(rnd, "lead"), "\x01", "\x02")
+        lead = 1 if raw == b"\x01" else int(raw)
+        if lead == slot:
+            return True
+        now = time.monotonic()
+        if now < self._lead_check:
+            return False
+        self._lead_check = now + self.config.dead_after
+        record = self._records(rnd, lead, lead)[0]
+        if record is not None and self._alive([record])[0]:
+            return False
+        expected = "" if raw == b"\x01" else raw.decode()
+        got = self._call(self._store.compare_set, self._k(rnd, "lead"), expected, str(slot))
+        return bytes(got).decode() == str(slot)
+
+    # ---------------------------------------------------------------- timeouts
+    def _time_out(self, rnd: int, slot: int, prev_size: int, spare: bool) -> tuple[int, int]:
+        """Withdraw (heartbeat time 0), unless a sealer already closed the round (then take its
+        verdict); raise ``RendezvousTimeoutError`` naming who joined."""
+        cfg = self.config
+        _beater.forget(self)
+        self._call(self._store.set, self._hb_key, self._withdrawn())
+        v = int(self._call(self._store.add, self._k(rnd, "arrived"), 0))
+        if v >= SEALED:  # a sealer read our heartbeat before we withdrew: its verdict stands
+            raw = self._blocking_get(self._k(rnd, f"rank/{slot}"), cfg.read_timeout)
+            if raw is not None:
+                try:
+                    seat = self._seat(raw, spare)
+                    _beater.watch(self)
+                    return seat
+                except _Spare:
+                    pass
+        count, rejoined = v & COUNT_MASK, (v >> 24) & COUNT_MASK
+        records = self._records(rnd, 1, count)
+        joined = self._alive(records, recent=True)
+        hosts = [f"{r.host}:{r.pid}" for r, a in zip(records, joined) if r is not None and (a or r.node == self.node)]
+        named = ", ".join(hosts[:16]) + (f" and {len(hosts) - 16} more" if len(hosts) > 16 else "")
+        waiting = ""
+        if rnd > 0 and rejoined < prev_size:
+            waiting = f"; {prev_size - rejoined} of the {prev_size} nodes of round {rnd - 1} never re-joined"
+        raise _errors().RendezvousTimeoutError(
+            f"ctrl rendezvous '{cfg.run_id}' round {rnd}: {len(hosts)} of min_nodes={cfg.min_nodes} "
+            f"(max_nodes={cfg.max_nodes}) nodes joined within join_timeout={cfg.join_timeout:g}s "
+            f"(hosts: {named or 'none'}){waiting}"
+        )
+
+    # ---------------------------------------------------------------- bootstrap
+    def _bootstrap(self, rnd: int, rank: int) -> tuple[str, int, dist.Store | None]:
+        """Node 0 of the round hosts a fresh workers' store (or picks a free port when workers
+        host it themselves) and publishes its address in the round's namespace; the others
+        read it: no earlier round's address or keys can ever be seen."""
+        key = self._k(rnd, "boot")
+        server = None
+        if rank == 0:
+            addr = self._host
+            if self.use_agent_store:
+                server = dist.TCPStore(addr, 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+                port = int(server.port)
+            else:
+                port = _free_port()
+            self._call(self._store.set, key, f"{addr}\n{port}")
+            return addr, port, server
+        try:
+            raw = bytes(self._store.get(key))  # node 0 writes it right after the seal: one call
+        except Exception as exc:  # noqa: BLE001 - node 0 died between the seal and its write
+            if not _is_timeout(exc):
+                raise _connection_error(exc) from None
+            raise _errors().RendezvousTimeoutError(
+                f"ctrl rendezvous '{self.config.run_id}' round {rnd}: node 0 did not publish the bootstrap "
+                f"store address within read_timeout={self.config.read_timeout:g}s"
+            ) from None
+        addr, _, port = raw.decode().rpartition("\n")
+        return addr, int(port), None
+
+    # ---------------------------------------------------------------- store helpers
+    _open_round_hint = 0
+
+    def _read_open_raw(self) -> str:
+        raw = self._call(self._store.compare_set, f"{self._root}/open", "", "0,0").decode()
+        if raw != CLOSED_OPEN:
+            self._open_round_hint = int(raw.split(",")[0])
+        return raw
+
+    def _read_open(self) -> tuple[int, int]:
+        raw = self._read_open_raw()
+        if raw == CLOSED_OPEN:
+            raise _closed_error(f"ctrl rendezvous '{self.config.run_id}' is closed", False)
+        rnd, size = raw.split(",")
+        return int(rnd), int(size)
+
+    def _sealed_size(self, rnd: int) -> int:
+        """Size of sealed round ``rnd`` (0 if it was closed rather than sealed)."""
+        if rnd < 0:
+            return 0
+        raw = self._blocking_get(self._k(rnd, "seal"), self.config.read_timeout)
+        return int(raw) if raw is not None else 0
+
+    def _blocking_get(self, key: str, seconds: float) -> bytes | None:
+        """``get`` that waits at most ``seconds``; None on timeout (``wait`` + ``get``)."""
+        store = self._store
+        td = timedelta(seconds=seconds)
+        try:
+            # wait() then get(): a TCPStore get() that times out logs two warnings per wake
+            store.wait([key], td)
+            return bytes(store.get(key))
+        except Exception as exc:  # noqa: BLE001 - a timeout is expected; anything else is a lost store
+            if _is_timeout(exc):
+                return None
+            raise _connection_error(exc) from None
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - one line, as a RendezvousConnectionError
+            if isinstance(exc, _errors().RendezvousError):
+                raise
+            raise _connection_error(exc) from None
+
+
+CLOSED_OPEN = "closed"
+
+
+def _is_timeout(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timeout" in text or "timed out" in text
+
+
+def _connection_error(exc: Exception) -> Exception:
+    lines = str(exc).strip().splitlines()
+    return _errors().RendezvousConnectionError(
+        f"ctrl rendezvous: the rendezvous store failed: {lines[0] if lines else type(exc).__name__}"
+    )
+
+
+def _free_port() -> int:
+    try:
+        from torch.distributed.elastic.utils.distributed import get_free_port
+
+        return int(get_free_port())
+    except ImportError:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return int(sock.getsockname()[1])
+
+
+def create_native_handler(params: Any) -> NativeRendezvousHandler:
+    """The ``ctrl`` handler from torchrun's ``RendezvousParameters``: validates every option
+    (one-line ``ValueError`` before anything is written), then connects (hosting the store
+    when ``is_host``, c10d's rules), retrying until ``join_timeout``."""
+    config = config_from(params)
+    store, host, port = connect(params, config)
+    beats = beat_store(host, port, config.read_timeout)
+    handler = NativeRendezvousHandler(config, store, beats)
+    handler._endpoint = (host, port)  # type: ignore[attr-defined]
+    return handler
