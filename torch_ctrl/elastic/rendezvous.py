@@ -36,9 +36,14 @@ _RDZV_PREFIX = "torch.rendezvous."
 
 def clear_worker_store(addr: str, port: int, timeout: float = 60.0) -> int:
     """Delete every key an earlier round's workers left in the shared workers' store
-    (``addr:port``), except torch's rendezvous keys; returns how many were deleted."""
+    (``addr:port``), except torch's rendezvous keys; returns how many were deleted (none
+    where this torch's stores have no ``list_keys``)."""
     from datetime import timedelta
 
+    from ..capabilities import LIST_KEYS
+
+    if not LIST_KEYS:  # this torch's stores cannot list their keys: leave them (torch's behaviour)
+        return 0
     store = dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout), wait_for_workers=False)
     stale = [k for k in store.list_keys() if not k.startswith(_RDZV_PREFIX)]
     for key in stale:
