@@ -83,16 +83,20 @@ def test_inspect_command_json_text_prefix_and_watch() -> None:
     coll.barrier("half", block=False)  # 1/2 arrived, nobody blocked: the op stays in flight
     coll.abort("stopping")
     address = f"127.0.0.1:{server.port}"
-    text = _run("-m", "torch_ctrl", "inspect", address, "--interval", "0")
+    text = _run("-m", "torch_ctrl", "inspect", address, "--timeout", "30", "--interval", "0")
     assert text.returncode == 0, text.stderr
     assert "group of 2 ranks (prefix 'jobA/')" in text.stdout and "ABORTED by rank 0: stopping" in text.stdout
     assert "barrier 'half'; 1/2 arrived" in text.stdout
-    doc = json.loads(_run("-m", "torch_ctrl", "inspect", address, "--json", "--interval", "0.1").stdout)
+    doc = json.loads(
+        _run("-m", "torch_ctrl", "inspect", address, "--timeout", "30", "--json", "--interval", "0.1").stdout
+    )
     assert doc["schema"] == "torch_ctrl.inspect/1" and doc["samples"] == 2
     (group,) = doc["groups"]
     assert group["abort"] == {"rank": 0, "reason": "stopping"} and group["in_flight"][0]["key"] == "half"
     other = json.loads(
-        _run("-m", "torch_ctrl", "inspect", address, "--json", "--interval", "0", "--prefix", "jobB").stdout
+        _run(
+            "-m", "torch_ctrl", "inspect", address, "--timeout", "30", "--json", "--interval", "0", "--prefix", "jobB"
+        ).stdout
     )
     assert other["groups"] == []
     bad = _run("-m", "torch_ctrl", "inspect", "127.0.0.1:1", "--timeout", "1", "--interval", "0")
@@ -101,7 +105,7 @@ def test_inspect_command_json_text_prefix_and_watch() -> None:
     assert "Traceback" not in bad.stderr
 
     watch = subprocess.Popen(
-        [sys.executable, "-m", "torch_ctrl", "inspect", address, "--watch", "--interval", "0.2"],
+        [sys.executable, "-m", "torch_ctrl", "inspect", address, "--watch", "--interval", "0.2", "--timeout", "30"],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "RES_OPTIONS": "timeout:1 attempts:1"},

@@ -112,14 +112,16 @@ def test_threads_stuck_in_every_collective_then_aborted(kind: str) -> None:
     for t in threads:
         t.start()
     admin = stores.admin
-    report = poll(lambda: (lambda r: r if stuck_everywhere(r) else None)(torch_ctrl.inspect(admin, interval=0)))
+    report = poll(
+        lambda: (lambda r: r if stuck_everywhere(r) else None)(torch_ctrl.inspect(admin, interval=0, timeout=30))
+    )
     check_stuck(report)
     group = report["groups"][0]
     assert group["abort"] is None and group["heartbeats"] is None and group["prefix"] == ""
 
     # Through the server's address, two samples: the same ops, seen pending for the interval,
     # without progress; a PrefixStore's groups carry its prefix.
-    report = torch_ctrl.inspect(f"{HOST}:{stores.port}", interval=0.3)
+    report = torch_ctrl.inspect(f"{HOST}:{stores.port}", interval=0.3, timeout=30)
     group = report["groups"][0]
     if kind == "prefix":
         assert group["prefix"] == "job/" and group["namespace"] == {"kind": "prefix"}
@@ -135,7 +137,7 @@ def test_threads_stuck_in_every_collective_then_aborted(kind: str) -> None:
     for t in threads:
         t.join(30)
     assert not any(t.is_alive() for t in threads)
-    report = torch_ctrl.inspect(admin, interval=0)
+    report = torch_ctrl.inspect(admin, interval=0, timeout=30)
     group = report["groups"][0]
     assert group["abort"] == {"rank": 3, "reason": "disk full"}
     assert "ABORTED by rank 3: disk full" in render(report)
@@ -158,13 +160,13 @@ def test_inspecting_writes_nothing() -> None:
     for t in threads:
         t.start()
     admin = stores.admin
-    poll(lambda: stuck_everywhere(torch_ctrl.inspect(admin, interval=0)))
+    poll(lambda: stuck_everywhere(torch_ctrl.inspect(admin, interval=0, timeout=30)))
     admin.set(K.group_key(2, "hb/0"), b"7")  # a second group: heartbeat counters, an abort notice
     admin.set(K.group_key(2, "hb/1"), b"9")
     admin.set(K.abort_key(2), b"1:gone")
     admin.set("torch.rendezvous.r1", b"Y2FuaW1hZGFt")
     before = dump(admin)
-    report = torch_ctrl.inspect(f"{HOST}:{stores.port}", interval=0.2)
+    report = torch_ctrl.inspect(f"{HOST}:{stores.port}", interval=0.2, timeout=30)
     assert dump(admin) == before
     assert {g["world_size"] for g in report["groups"]} == {2, WORLD}
     assert report["torchrun"][0]["run_id"] == "r1" and report["torchrun"][0]["state"] is None
@@ -223,7 +225,7 @@ def test_processes_stuck_in_every_collective() -> None:
             ready.get(timeout=60)
         report = poll(
             lambda: (lambda r: r if stuck_everywhere(r) else None)(
-                torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0)
+                torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0, timeout=30)
             )
         )
         check_stuck(report)
@@ -267,12 +269,12 @@ def test_sigkilled_rank_with_heartbeats() -> None:
         p.start()
     try:
         assert sorted(ready.get(timeout=60) for _ in procs) == [0, 1, 2]
-        before = torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0.6)
+        before = torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0.6, timeout=30)
         hb = before["groups"][0]["heartbeats"]
         assert hb["stopped"] == [] and [r["status"] for r in hb["ranks"]] == ["ok"] * 3, hb
         os.kill(procs[2].pid, signal.SIGKILL)
         procs[2].join(10)
-        report = torch_ctrl.inspect(f"{HOST}:{server.port}", interval=1.0)
+        report = torch_ctrl.inspect(f"{HOST}:{server.port}", interval=1.0, timeout=30)
         hb = report["groups"][0]["heartbeats"]
         assert hb["stopped"] == [2], hb
         dead = hb["ranks"][2]
@@ -280,7 +282,9 @@ def test_sigkilled_rank_with_heartbeats() -> None:
         assert "STOPPED: [2]" in render(report)
         # The blocked peers declare rank 2 dead themselves (within 5 intervals) and abort.
         aborted = poll(
-            lambda: (lambda g: g["abort"])(torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0)["groups"][0])
+            lambda: (lambda g: g["abort"])(
+                torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0, timeout=30)["groups"][0]
+            )
         )
         assert aborted["rank"] == 2 and "no heartbeat" in aborted["reason"]
         assert ready.get(timeout=30)[0] == "aborted"
@@ -332,7 +336,7 @@ def test_512_ranks_and_thousands_of_finished_ops_in_under_a_second() -> None:
         keys.append(f"{root}/s{i}/{K.ARRIVE if i % 2 else K.EXIT}")
         values.append(b"%d" % n)
     writer.multi_set(keys, values)
-    report = torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0.2)
+    report = torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0.2, timeout=30)
     assert report["client_s"] < 1.0, report["client_s"]
     group = report["groups"][0]
     ops = ops_by_key(report, n)
