@@ -6,9 +6,8 @@ from helpers import Stores, run_group
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_ctrl import keys as K
-
 import torch_ctrl
+from torch_ctrl import keys as K
 
 HAVE_CPP = torch_ctrl.backend() == "cpp"
 
