@@ -466,6 +466,8 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         while True:
             v = int(self._call(self._store.add, self._k(rnd, "arrived"), 1 + (MEMBER if member else 0)))
             if v >= SEALED:  # sealed (or closed) between our read of `open` and our arrival
+                if self.is_closed():
+                    raise _closed_error(f"ctrl rendezvous '{cfg.run_id}' is closed", spare)
                 rnd, member = rnd + 1, False
                 prev_size = self._sealed_size(rnd - 1)
                 spare = prev_size >= cfg.max_nodes
