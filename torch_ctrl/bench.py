@@ -1,11 +1,15 @@
 """``python -m torch_ctrl bench``: latency and store traffic of the collectives, next to torch's.
 
-One run uses one TCPStore server (libuv backend). A world of N ranks is N threads (or N
-processes, ``--mode processes``); every rank has its own TCPStore client per contender, and
-the instances are made once per N and reused across rounds, with a unique key per round.
-Rounds interleave the contenders (their order rotates each round, so that none always runs
-right after another one's background cleanup). All ranks start each op on a shared barrier;
-an op's time is ``max(end) - min(start)`` over the ranks. See ``docs/benchmarks.md``.
+One run uses one TCPStore server (libuv backend). A world of N ranks is N threads, N processes
+(``--mode processes``) or the N workers of a real ``python -m torch_ctrl.run --standalone`` job
+(``--mode torchrun``, see :mod:`torch_ctrl.bench_worker`). Every contender runs over the same kind
+of store (``--store``): ``raw`` (a TCPStore client per rank), ``prefix`` (a PrefixStore over one, what
+torchrun, ``init_process_group`` and ``from_env()`` hand out), ``file`` (a FileStore) or ``hash`` (one
+shared HashStore). Every rank has its own store per contender; the instances are made once per N
+and store kind and reused across rounds, with a unique key per round. Rounds interleave the
+contenders (their order rotates each round, so that none always runs right after another one's
+background cleanup). All ranks start each op on a shared barrier; an op's time is
+``max(end) - min(start)`` over the ranks. See ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ import resource
 import shlex
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from queue import Empty
 from typing import Any, Callable
@@ -45,15 +51,28 @@ COUNTED = ("torch", "cpp", "python")  # the full-API contenders
 SUPPORTS = {"elastic": ("barrier", "all_gather"), "native": ("barrier",)}  # others: every op
 BASELINE = "torch"
 _NAMES = ("torch._StoreCollectives", "torch_ctrl C++", "torch_ctrl C++ hb=1s", "torch_ctrl Python")
-LABELS = dict(zip(CONTENDERS, (*_NAMES, "elastic.utils.store", "TCPStore.barrier", "floor (1 add)")))
+LABELS = dict(zip(CONTENDERS, (*_NAMES, "elastic.utils.store", "store.barrier", "floor (1 add)")))
 HEARTBEAT = 1.0  # cpp-hb: torch_ctrl C++ with liveness on (heartbeat_interval, seconds)
+# The kinds of store every contender can be run over (--store), and what each rank holds.
+STORES = ("raw", "prefix", "file", "hash")
+STORE_TEXT = {
+    "raw": "one TCPStore client per rank",
+    "prefix": "a PrefixStore over a TCPStore client per rank",
+    "file": "a FileStore in a temp dir, one handle per rank",
+    "hash": "one HashStore shared by every rank, threads only",
+}
+STORE_CLASSES = {"raw": dist.TCPStore, "prefix": dist.PrefixStore, "file": dist.FileStore, "hash": dist.HashStore}
+PREFIX = "bench"  # the PrefixStore's prefix of --store prefix (threads and processes)
+MAX_SPAWNED = 16  # world sizes of --mode processes and torchrun: what a 2-core machine can spawn
 Task = tuple[str, int, str]  # (op, round, contender); round -1 is the warm-up
 Timing = tuple[float, float, str]  # (start, end, error or "")
+Make = Callable[[str, dist.Store, int, int], Any]  # (contender, store, rank, world) -> instance
 
 
 @dataclass
 class World:
-    """What every rank of one world size needs (picklable, for ``--mode processes``)."""
+    """What every rank of one world size and store kind needs (picklable, for ``--mode processes``,
+    except ``shared``, the HashStore of ``store="hash"``, which only threads use)."""
 
     size: int
     port: int
@@ -62,10 +81,18 @@ class World:
     payload: bytes
     secs: float
     tag: str
+    store: str = "raw"
+    host: str = "127.0.0.1"
+    prefix: str = PREFIX
+    file_dir: str = ""
+    shared: Any = None
 
 
-def supports(contender: str, op: str) -> bool:
-    """Whether ``contender`` implements ``op`` (the floor stands in for any op)."""
+def supports(contender: str, op: str, store: str = "raw") -> bool:
+    """Whether ``contender`` implements ``op`` over a ``store`` kind (the floor stands in for any op;
+    ``native`` is the store's own ``barrier``, where that store class has one)."""
+    if contender == "native" and not hasattr(STORE_CLASSES[store], "barrier"):
+        return False
     return op in SUPPORTS.get(contender, OPS)
 
 
@@ -85,6 +112,19 @@ def unavailable() -> dict[str, str]:
 def rounds_for(world: int, rounds: int) -> int:
     """Timed rounds at world size ``world``: all of them below 256 ranks, half (at least 3) from 256 on."""
     return rounds if world < 256 else max(3, rounds // 2)
+
+
+def open_store(w: World, contender: str) -> dist.Store:
+    """This rank's store for ``contender``, of kind ``w.store``."""
+    timeout = timedelta(seconds=w.secs)
+    if w.store == "hash":
+        return w.shared
+    if w.store == "file":  # one file per contender: none grows another's file; -1: never deleted by torch
+        store = dist.FileStore(os.path.join(w.file_dir, f"w{w.size}-{contender}"), -1)
+        store.set_timeout(timeout)
+        return store
+    client = dist.TCPStore(w.host, w.port, None, False, timeout, wait_for_workers=False)
+    return client if w.store == "raw" else dist.PrefixStore(w.prefix, client)
 
 
 def make_instance(contender: str, store: dist.Store, rank: int, world: int) -> Any:
@@ -138,28 +178,29 @@ def _expect(ok: bool, op: str) -> None:
 # ------------------------------------------------------------------------------------ latency
 
 
-def schedule(ops: Sequence[str], contenders: Sequence[str], rounds: int) -> list[Task]:
+def schedule(ops: Sequence[str], contenders: Sequence[str], rounds: int, store: str = "raw") -> list[Task]:
     """Run order: per op, a warm-up round then the timed ones, the contenders' order rotating each round."""
     out: list[Task] = []
     for op in ops:
-        present = [c for c in contenders if supports(c, op)]
+        present = [c for c in contenders if supports(c, op, store)]
         for rnd in range(-1, rounds):
             shift = rnd % len(present) if present else 0
             out += [(op, rnd, c) for c in present[shift:] + present[:shift]]
     return out
 
 
-def rank_main(w: World, rank: int, sync: Any) -> list[Timing]:
-    """One rank: a client and an instance per contender, then every task, each started on the shared barrier."""
-    secs, timeout = w.secs, timedelta(seconds=w.secs)
-    clients = {
-        c: dist.TCPStore("127.0.0.1", w.port, None, False, timeout, wait_for_workers=False) for c in w.contenders
-    }
-    insts = {c: make_instance(c, store, rank, w.size) for c, store in clients.items()}
+def rank_main(w: World, rank: int, sync: Any, make: Make = make_instance) -> list[Timing]:
+    """One rank: a store and an instance per contender, then every task, each started on the shared barrier.
+
+    ``sync.wait(seconds)`` is the shared barrier (threading's, multiprocessing's, or a store barrier
+    under torchrun); ``make`` builds each contender's instance over its store.
+    """
+    secs = w.secs
+    insts = {c: make(c, open_store(w, c), rank, w.size) for c in w.contenders}
     out: list[Timing] = []
     sync.wait(secs)
     for op, rnd, c in w.tasks:
-        key, err = f"{w.tag}/{c}/w{w.size}/{op}/{rnd}", ""
+        key, err = f"{w.tag}/{w.store}/{c}/w{w.size}/{op}/{rnd}", ""
         sync.wait(secs)
         start = time.perf_counter()
         try:
@@ -182,11 +223,22 @@ def _process_rank(w: World, rank: int, sync: Any, queue: Any) -> None:
         queue.put((rank, f"{type(exc).__name__}: {exc}"))
 
 
-def run_world(world: int, port: int, opts: argparse.Namespace, tag: str) -> list[dict[str, Any]]:
-    """Every round at one world size: one record per (op, contender)."""
-    rounds = rounds_for(world, opts.rounds)
-    tasks = schedule(opts.ops, opts.contenders, rounds)
-    w = World(world, port, opts.contenders, tasks, opts.data, opts.timeout, tag)
+def world_for(world: int, store: str, port: int, opts: argparse.Namespace, tag: str) -> World:
+    """The plan of one world size over one store kind."""
+    tasks = schedule(opts.ops, opts.contenders, rounds_for(world, opts.rounds), store)
+    shared = None
+    if store == "hash":
+        shared = dist.HashStore()
+        shared.set_timeout(timedelta(seconds=opts.timeout))
+    return World(
+        world, port, opts.contenders, tasks, opts.data, opts.timeout, tag, store, file_dir=opts.file_dir, shared=shared
+    )
+
+
+def run_world(world: int, store: str, port: int, opts: argparse.Namespace, tag: str) -> list[dict[str, Any]]:
+    """Every round at one world size over one store kind, ranks as threads or processes: one record
+    per (op, contender)."""
+    w = world_for(world, store, port, opts, tag)
     results: dict[int, Any] = {}
     if opts.mode == "threads":
         sync: Any = threading.Barrier(world)
@@ -215,9 +267,17 @@ def run_world(world: int, port: int, opts: argparse.Namespace, tag: str) -> list
                     raise RuntimeError(f"world size {world}: a rank died: {[p.exitcode for p in procs]}") from None
         for p in procs:
             p.join()
+    return summarize(w, results, opts)
+
+
+def summarize(w: World, results: dict[int, Any], opts: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per (op, contender): the samples (``max(end) - min(start)`` over the ranks, per timed round),
+    their median, min and max, the errors, and the ratio of the median to torch's class over the same
+    store. ``results`` maps each rank to its timings in task order, or to why that rank failed."""
+    world, tasks = w.size, w.tasks
     failed = {r: v for r, v in results.items() if isinstance(v, str)}
     if failed:
-        raise RuntimeError(f"world size {world}: rank(s) failed: {failed}")
+        raise RuntimeError(f"world size {world}, {w.store} store: rank(s) failed: {failed}")
     samples: dict[tuple[str, str], list[float]] = {}
     errors: dict[tuple[str, str], list[str]] = {}
     for i, (op, rnd, c) in enumerate(tasks):
@@ -228,10 +288,12 @@ def run_world(world: int, port: int, opts: argparse.Namespace, tag: str) -> list
         elif rnd >= 0:
             samples.setdefault((op, c), []).append(1e3 * (max(r[1] for r in rows) - min(r[0] for r in rows)))
     records = []
-    for op, c in ((op, c) for op in opts.ops for c in opts.contenders if supports(c, op)):
+    rounds = rounds_for(world, opts.rounds)
+    for op, c in ((op, c) for op in opts.ops for c in opts.contenders if supports(c, op, w.store)):
         ms = samples.get((op, c), [])
         stats = (statistics.median(ms), min(ms), max(ms)) if ms else (None, None, None)
-        records.append({"world_size": world, "op": op, "contender": c, "rounds": rounds, "samples_ms": ms})
+        records.append({"store": w.store, "mode": opts.mode, "world_size": world, "op": op, "contender": c})
+        records[-1].update(rounds=rounds, samples_ms=ms)
         records[-1].update(zip(("median_ms", "min_ms", "max_ms"), stats), errors=errors.get((op, c), []))
     base = {r["op"]: r["median_ms"] for r in records if r["contender"] == BASELINE}
     for r in records:
@@ -251,26 +313,29 @@ def _run_threads(body: Callable[[int], None], world: int) -> None:
 
 
 def count_ops(
-    world: int, ops: Sequence[str], payload: bytes, secs: float, kind: str, port: int
+    world: int, ops: Sequence[str], payload: bytes, secs: float, kind: str, port: int, file_dir: str = ""
 ) -> list[dict[str, Any]]:
     """Each op once per full-API contender, every rank (a thread) on its own CountingStore.
 
-    The CountingStores wrap one shared HashStore (``kind="hash"``) or one TCPStore client each, on the
-    server at ``port`` (``"tcp"``; a TCPStore client cannot be shared by threads that block in it).
-    Per rank: ``critical`` = the calls made on the rank's own thread (its critical path); ``at_return`` =
-    all calls counted once every rank has returned, before ``close()``; ``total`` = all calls after
-    ``close()`` flushed the background cleanup.
+    The CountingStores wrap a store of kind ``kind`` (:data:`STORES`; ``"tcp"`` is ``"raw"``): one
+    shared HashStore, or per rank a TCPStore client on the server at ``port`` (a client cannot be
+    shared by threads that block in it), a PrefixStore over one, or a FileStore handle in ``file_dir``.
+    A CountingStore is a Python store, so torch_ctrl takes its generic (shared-store) path over it
+    whatever it wraps. Per rank: ``critical`` = the calls made on the rank's own thread (its critical
+    path); ``at_return`` = all calls counted once every rank has returned, before ``close()``;
+    ``total`` = all calls after ``close()`` flushed the background cleanup.
     """
-    shared = dist.HashStore()
+    kind = "raw" if kind == "tcp" else kind
     timeout = timedelta(seconds=secs)
-
-    def inner() -> dist.Store:
-        return (
-            shared if kind == "hash" else dist.TCPStore("127.0.0.1", port, None, False, timeout, wait_for_workers=False)
-        )
-
+    shared = dist.HashStore()
+    shared.set_timeout(timeout)
+    w = World(world, port, (), (), payload, secs, "", kind, file_dir=file_dir, shared=shared)
     counted = [c for c in COUNTED if c not in unavailable()]
-    return [count_one(world, op, c, inner, payload, secs, kind) for op in ops for c in counted]
+    return [
+        count_one(world, op, c, partial(open_store, w, f"count-{c}"), payload, secs, kind)
+        for op in ops
+        for c in counted
+    ]
 
 
 def count_one(
@@ -296,116 +361,13 @@ def count_one(
 
     _run_threads(body, world)
     crit = [sum(p.get("critical", {}).values()) for p in per_rank]
-    rec = {"world_size": world, "op": op, "contender": c, "inner_store": kind, "critical_root": crit[0]}
+    rec = {"store": kind, "inner_store": kind, "world_size": world, "op": op, "contender": c, "critical_root": crit[0]}
     rec["critical_other_mean"] = statistics.mean(crit[1:]) if world > 1 else None
     rec["total_mean"] = statistics.mean(sum(p.get("total", {}).values()) for p in per_rank)
     return {**rec, "errors": [p["error"] for p in per_rank if "error" in p], "per_rank": per_rank}
 
 
-# ------------------------------------------------------------------------------------- output
-
-
-def _md(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def _cells(records: list[dict[str, Any]]) -> tuple[list[tuple[str, int]], dict[tuple[str, int, str], dict[str, Any]]]:
-    keys = sorted({(r["op"], r["world_size"]) for r in records}, key=lambda k: (OPS.index(k[0]), k[1]))
-    return keys, {(r["op"], r["world_size"], r["contender"]): r for r in records}
-
-
-def latency_tables(records: list[dict[str, Any]], contenders: Sequence[str]) -> str:
-    """Markdown: the medians with their ratio to torch's class, then the min-max spread."""
-    keys, cell = _cells(records)
-
-    def fmt(r: dict[str, Any] | None, spread: bool) -> str:
-        if r is None:
-            return ""
-        if r["median_ms"] is None:
-            return f"failed ({len(r['errors'])})"
-        text = f"{r['min_ms']:.2f}-{r['max_ms']:.2f}" if spread else f"{r['median_ms']:.2f}"
-        if not spread and r["ratio"] is not None and r["contender"] != BASELINE:
-            text += f" ({r['ratio']:.2f}x)"
-        return text + (f" ({len(r['errors'])} failed)" if r["errors"] else "")
-
-    head = ["op", "N"] + [LABELS[c] for c in contenders]
-    out = []
-    for spread, title in ((False, "median, ms (ratio to torch._StoreCollectives)"), (True, "min-max, ms")):
-        rows = [[op, str(n)] + [fmt(cell.get((op, n, c)), spread) for c in contenders] for op, n in keys]
-        out.append(f"**Latency over rounds: {title}**\n\n" + _md(head, rows))
-    return "\n\n".join(out)
-
-
-def liveness_ratios(records: list[dict[str, Any]]) -> dict[int, float]:
-    """Barrier median of ``cpp-hb`` (liveness on) over ``cpp`` (off), per N where both ran."""
-    _, cell = _cells(records)
-    out = {}
-    for (op, n, c), r in sorted(cell.items(), key=lambda kv: kv[0][1]):
-        off = cell.get((op, n, "cpp"), {}).get("median_ms")
-        if op == "barrier" and c == "cpp-hb" and off and r["median_ms"] is not None:
-            out[n] = r["median_ms"] / off
-    return out
-
-
-def liveness_line(ratios: dict[int, float]) -> str:
-    """One line: the barrier's latency with liveness on over off, per N."""
-    cells = ", ".join(f"N={n} {x:.2f}x" for n, x in ratios.items())
-    return f"liveness on/off (barrier, heartbeat_interval={HEARTBEAT:g} s): {cells}"
-
-
-def count_tables(records: list[dict[str, Any]]) -> str:
-    """Markdown: store operations per op per rank, and the critical path by method at the largest N."""
-    keys, cell = _cells(records)
-
-    def fmt(r: dict[str, Any]) -> str:
-        other = "-" if r["critical_other_mean"] is None else f"{r['critical_other_mean']:.3g}"
-        return f"{r['critical_root']} / {other}" + ("" if r["contender"] == BASELINE else f" ({r['total_mean']:.3g})")
-
-    counted = [c for c in COUNTED if any(r["contender"] == c for r in records)]
-    rows = [[op, str(n)] + [fmt(cell[(op, n, c)]) for c in counted] for op, n in keys]
-    top = max(n for _, n in keys)
-    detail = []
-    for op, c in ((op, c) for op, n in keys if n == top for c in counted):
-        ranks = cell[(op, top, c)]["per_rank"][:2]
-        detail.append(
-            [op, LABELS[c]] + [", ".join(f"{m} {k}" for m, k in p.get("critical", {}).items()) for p in ranks]
-        )
-    return (
-        "**Store calls per rank: critical path, rank 0 (root) / other ranks (mean); (total incl. cleanup, mean)**\n\n"
-        + _md(["op", "N"] + [LABELS[c] for c in counted], rows)
-        + f"\n\n**Critical-path store calls by method, N={top}**\n\n"
-        + _md(["op", "implementation", "rank 0 (root)", "rank 1"], detail)
-    )
-
-
-def plot(records: list[dict[str, Any]], ops: Sequence[str], contenders: Sequence[str], path: Path) -> str:
-    """Latency vs world size, log-log, a subplot per op, a line per contender; returns a note to print."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "no plot: matplotlib is not installed (pip install 'torch-ctrl[plot]')"
-    cols, rows = min(3, len(ops)), (len(ops) + 2) // 3
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
-    for ax, op in zip(axes.flat, ops):
-        for c in contenders:
-            rs = [r for r in records if (r["op"], r["contender"]) == (op, c) and r["median_ms"]]
-            if rs:
-                xs, med = [r["world_size"] for r in rs], [r["median_ms"] for r in rs]
-                err = [[m - r["min_ms"] for m, r in zip(med, rs)], [r["max_ms"] - m for m, r in zip(med, rs)]]
-                ax.errorbar(xs, med, yerr=err, marker="o", capsize=2, label=LABELS[c], color=f"C{CONTENDERS.index(c)}")
-        ax.set(xscale="log", yscale="log", title=op, xlabel="world size (ranks)", ylabel="median latency (ms)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(ops) :]:
-        ax.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"plot: {path}"
+# ------------------------------------------------------------------------------------ machine
 
 
 def machine() -> dict[str, Any]:
@@ -445,23 +407,45 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Options of ``python -m torch_ctrl bench``."""
     p = argparse.ArgumentParser(prog="python -m torch_ctrl bench", description=(__doc__ or "").splitlines()[0])
     add = p.add_argument
-    add("--world-sizes", default="2,8,32,128,512", help="comma-separated world sizes (default: %(default)s)")
+    add(
+        "--world-sizes",
+        default=None,
+        help=f"comma-separated world sizes (default: 2,8,32,128,512 with threads; 2,8,16 with processes or "
+        f"torchrun, which spawn a process per rank and accept N <= {MAX_SPAWNED})",
+    )
     add("--ops", default=",".join(OPS), help="ops; a rooted op's send/recv method names select it too (default: all)")
     add("--payload", type=int, default=64, help="payload bytes (default: %(default)s; e.g. 65536)")
     add("--rounds", type=int, default=20, help="timed rounds per op (default: %(default)s; half, >= 3, for N >= 256)")
-    add("--mode", choices=("threads", "processes"), default="threads", help="ranks are threads or processes (N <= 16)")
+    add(
+        "--store",
+        default="raw,prefix",
+        help="comma-separated store kinds every contender runs over, one after the other: raw (a TCPStore "
+        "client per rank), prefix (a PrefixStore over a TCPStore client per rank, what torchrun, "
+        "init_process_group and from_env() hand out; under torchrun, from_env()'s own namespace), file "
+        "(a FileStore in a temp dir, a handle per rank), hash (one shared HashStore; threads only) "
+        "(default: %(default)s)",
+    )
+    add(
+        "--mode",
+        choices=("threads", "processes", "torchrun"),
+        default="threads",
+        help="ranks are threads of this process, spawned processes, or the workers of a real "
+        "'python -m torch_ctrl.run --standalone --nproc-per-node=N' job, taking torch_ctrl.from_env() "
+        f"(processes and torchrun: N <= {MAX_SPAWNED}, what a 2-core machine can spawn; default: %(default)s)",
+    )
     add("--contenders", default=",".join(CONTENDERS), help="subset of %(default)s")
     add("--out", default="./bench-out", help="output directory (default: %(default)s)")
     add("--timeout", type=float, default=120.0, help="per-op and store timeout, seconds (default: %(default)s)")
     add("--count-world-sizes", default="2,8", help="world sizes of the store-call counts, '' to skip (default: 2,8)")
     add(
         "--count-store",
-        choices=("hash", "tcp"),
         default="hash",
-        help="store(s) under the CountingStores (default: hash)",
+        help="comma-separated store kinds under the CountingStores, as --store ('tcp' is raw) (default: %(default)s)",
     )
     add("--smoke", action="store_true", help="quick check for CI: N=2, 3 rounds, every op and contender")
     opts = p.parse_args(list(argv))
+    if opts.world_sizes is None:
+        opts.world_sizes = "2,8,32,128,512" if opts.mode == "threads" else "2,8,16"
     if opts.smoke:
         opts.world_sizes, opts.rounds, opts.ops, opts.contenders = "2", 3, ",".join(OPS), ",".join(CONTENDERS)
         opts.count_world_sizes = "2"
@@ -470,12 +454,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         opts.count_worlds = [int(x) for x in opts.count_world_sizes.split(",") if x.strip()]
         opts.ops = _names(opts.ops, OPS, METHOD_OPS)
         opts.contenders = _names(opts.contenders, CONTENDERS, {})
+        opts.stores = _names(opts.store, STORES, {})
+        opts.count_stores = _names(opts.count_store, STORES, {"tcp": "raw"})
     except ValueError as exc:
         p.error(str(exc))
     if not opts.worlds or min(opts.worlds + opts.count_worlds) < 1 or opts.rounds < 1 or opts.payload < 0:
         p.error("world sizes and --rounds must be >= 1, --payload >= 0")
-    if opts.mode == "processes" and max(opts.worlds) > 16:
-        p.error("--mode processes supports world sizes up to 16")
+    if not opts.stores or (opts.count_worlds and not opts.count_stores):
+        p.error("--store and --count-store need at least one store kind")
+    if opts.mode != "threads" and max(opts.worlds) > MAX_SPAWNED:
+        p.error(f"--mode {opts.mode} supports world sizes up to {MAX_SPAWNED}")
+    if opts.mode != "threads" and "hash" in opts.stores:
+        p.error(f"--store hash needs --mode threads (a HashStore lives in one process), not {opts.mode}")
     opts.data = b"x" * opts.payload
     opts.absent = {c: why for c, why in unavailable().items() if c in opts.contenders}
     opts.contenders = [c for c in opts.contenders if c not in opts.absent]
@@ -483,7 +473,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark: print the tables, write ``results.json``, ``results.md`` and ``latency.png``."""
+    """Run the benchmark: print the tables, write ``results.json``, ``results.md`` and the plots."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["rendezvous"]:  # `bench rendezvous`: the ctrl rendezvous against c10d
         from .bench_rendezvous import main as rendezvous_main
@@ -496,12 +486,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # queries, each one stalls the whole server for the resolver timeout (5 s). Only connection setup does it.
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     meta = {**machine(), "command": "python -m torch_ctrl bench " + shlex.join(args), "open_files": raise_open_files()}
-    meta.update(mode=opts.mode, payload=opts.payload, rounds=opts.rounds, timeout_s=opts.timeout)
+    meta.update(mode=opts.mode, stores=opts.stores, payload=opts.payload, rounds=opts.rounds, timeout_s=opts.timeout)
+    meta.update(count_stores=opts.count_stores if opts.count_worlds else [])
     print(
         f"# {meta['command']}\n# {meta['cpu']} x{meta['nproc']}, torch {meta['torch']}, mode={opts.mode}, "
-        f"payload={opts.payload} B, open files {meta['open_files']}",
+        f"store={','.join(opts.stores)}, payload={opts.payload} B, open files {meta['open_files']}",
         flush=True,
     )
+    if opts.mode == "torchrun":
+        print("# ranks: the workers of python -m torch_ctrl.run --standalone; prefix = from_env()'s namespace")
     for c, why in opts.absent.items():
         print(f"# {LABELS[c]}: {why}; not measured", flush=True)
     meta["absent"] = {LABELS[c]: why for c, why in opts.absent.items()}
@@ -510,26 +503,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     tag, begin = f"bench{os.getpid()}", time.perf_counter()
     latency: list[dict[str, Any]] = []
-    for world in opts.worlds:
-        t0 = time.perf_counter()
-        latency += run_world(world, server.port, opts, tag)
-        print(f"# N={world}: {rounds_for(world, opts.rounds)} rounds in {time.perf_counter() - t0:.1f} s", flush=True)
-    counts = []
-    for n in opts.count_worlds:
-        counts += count_ops(n, opts.ops, opts.data, opts.timeout, opts.count_store, server.port)
+    counts: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="torch_ctrl_bench_") as scratch:  # FileStores, torchrun plans
+        opts.file_dir = scratch
+        for world in opts.worlds:
+            if opts.mode == "torchrun":
+                from .bench_worker import run_job
+
+                t0 = time.perf_counter()
+                latency += run_job(world, opts.stores, opts, tag)
+                print(f"# N={world}: {rounds_for(world, opts.rounds)} rounds in {time.perf_counter() - t0:.1f} s")
+                continue
+            for kind in opts.stores:
+                t0 = time.perf_counter()
+                latency += run_world(world, kind, server.port, opts, tag)
+                took = time.perf_counter() - t0
+                print(f"# N={world}, {kind}: {rounds_for(world, opts.rounds)} rounds in {took:.1f} s", flush=True)
+        for kind in opts.count_stores:
+            for n in opts.count_worlds:
+                counts += count_ops(n, opts.ops, opts.data, opts.timeout, kind, server.port, scratch)
     meta["seconds"] = round(time.perf_counter() - begin, 1)
-    text = latency_tables(latency, opts.contenders)
-    liveness = liveness_ratios(latency)
-    if liveness:
-        text += "\n\n" + liveness_line(liveness)
+    return report(meta, latency, counts, opts, out)
+
+
+def report(
+    meta: dict[str, Any], latency: list[dict[str, Any]], counts: list[dict[str, Any]], opts: Any, out: Path
+) -> int:
+    """Print the tables, write ``results.json``, ``results.md`` and the plots; 1 if any op failed."""
+    from . import bench_report
+
+    text, liveness = bench_report.latency_report(latency, opts.contenders)
     if counts:
-        text += f"\n\n{count_tables(counts)}\n\n(CountingStore over a {opts.count_store} store)"
+        text += "\n\n" + bench_report.count_tables(counts)
     print("\n" + text + "\n")
     (out / "results.json").write_text(
         json.dumps(dict(meta=meta, latency=latency, liveness_barrier_on_off=liveness, op_counts=counts), indent=1)
     )
     (out / "results.md").write_text(text + "\n")
-    print(plot(latency, opts.ops, opts.contenders, out / "latency.png"))
+    for note in bench_report.plots(latency, opts.ops, opts.contenders, out, f"mode={opts.mode}"):
+        print(note)
     failures = sum(len(r["errors"]) for r in latency + counts)
     print(f"# wrote {out}/results.json, results.md; {failures} failed op(s); {meta['seconds']} s")
     return 1 if failures else 0
