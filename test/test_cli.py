@@ -1,5 +1,5 @@
-"""The shipped commands run: the demo, a smoke benchmark (no timing assertions), inspect,
-and every command's --help and --version."""
+"""The shipped commands run: the demo, inspect, and every command's --help and --version
+(the benchmark's runs are in test_bench.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -28,22 +27,6 @@ def test_demo_runs_and_checks_results() -> None:
     assert "torchrun exited 0" in out.stdout
     for op in ("barrier", "broadcast_recv", "gather_recv", "scatter_recv", "all_gather", "all_sum"):
         assert op in out.stdout
-
-
-@pytest.mark.timeout(240)
-def test_bench_smoke(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "torch_ctrl", "bench", "--smoke", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=230,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    data = json.loads((tmp_path / "results.json").read_text())
-    assert data  # figures for every contender
-    assert (tmp_path / "results.md").exists()
-    # Results only: the project's performance targets live in docs/benchmarks.md, not in the output.
-    assert "Targets" not in out.stdout and "MISSED" not in out.stdout and "target" not in out.stdout
 
 
 def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
