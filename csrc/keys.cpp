@@ -198,4 +198,19 @@ std::set<int> parse_names(const std::string& log) {
   return out;
 }
 
+std::optional<int64_t> parse_total(const std::string& value) {
+  // from_chars takes a leading '-' and digits only (no '+', spaces or '_'), like the twin's
+  // regular expression; at most 19 digits there, and in range here.
+  size_t digits = value.size() - (value.empty() || value[0] != '-' ? 0 : 1);
+  if (digits == 0 || digits > 19) {
+    return std::nullopt;
+  }
+  int64_t total = 0;
+  auto [ptr, ec] = std::from_chars(value.data(), value.data() + value.size(), total);
+  if (ec != std::errc() || ptr != value.data() + value.size()) {
+    return std::nullopt;
+  }
+  return total;
+}
+
 } // namespace torch_ctrl::keys

@@ -11,7 +11,7 @@
 
 namespace torch_ctrl::keys {
 
-inline const std::string kProtocol = "torch_ctrl/1";
+inline const std::string kProtocol = "torch_ctrl/2";
 constexpr size_t kMaxToken = 160;
 
 // Fields of one collective.
@@ -20,6 +20,7 @@ inline const std::string kDone = "d";  // done flag / broadcast payload (tagged)
 inline const std::string kLog = "g";  // append-only log of frames
 inline const std::string kNames = "a";  // "rank," of ranks blocked past the grace period
 inline const std::string kExit = "x";  // exit counter
+inline const std::string kSum = "s";  // running total of a generic-path all_sum (add)
 
 // Value tags: first byte of every single-value key (and of every log frame's payload).
 constexpr char kTagData = 'D';  // "D" + payload
@@ -63,5 +64,7 @@ struct FrameSpan {
 std::vector<FrameSpan> frame_spans(const std::string& log);
 std::vector<std::pair<int, std::string>> parse_frames(const std::string& log);
 std::set<int> parse_names(const std::string& log);
+// A published all_sum total: -?[0-9]+ within int64 (twin of keys.parse_total); nullopt otherwise.
+std::optional<int64_t> parse_total(const std::string& value);
 
 } // namespace torch_ctrl::keys

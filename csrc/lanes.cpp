@@ -202,7 +202,14 @@ std::vector<std::string> Lane::multi_get(const std::vector<std::string>& keys, d
 }
 
 void Lane::barrier(const std::string& key, int world_size, double seconds) {
-  compat::barrier(*store, key, world_size, millis(seconds));
+  if (prefix.empty()) {
+    compat::barrier(*store, key, world_size, millis(seconds));
+    return;
+  }
+  if (!base) {
+    base = base_store(store);
+  }
+  compat::barrier(*base, prefix + key, world_size, millis(seconds));
 }
 
 std::optional<std::vector<std::string>> Lane::list_keys() {
@@ -220,7 +227,14 @@ Lanes::Lanes(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {
   // Own connections: clones where this torch has clone(), else new TCPStore clients (a
   // FileStore without clone() is shared: its calls never hold a lock while they wait).
   owned_ = compat::kClone ? (tcp || file) : tcp;
-  native_barrier_ = compat::kBarrier && dynamic_cast<c10d::TCPStore*>(store_.get()) != nullptr;
+  // The TCPStore path: a TCPStore under any number of PrefixStores, where this torch's
+  // TCPStore has a server-side barrier (and, under PrefixStores, list_keys: the Python twin
+  // learns their prefix with it). Both implementations apply this same rule to a given store.
+  bool chain = base.get() != store_.get();
+  native_barrier_ = compat::kBarrier && tcp && (!chain || compat::kListKeys);
+  if (native_barrier_ && chain) {
+    prefix_ = base_key(store_, "").second;
+  }
   try {
     extended_ = store_->hasExtendedApi();
   } catch (const std::exception&) {
@@ -247,6 +261,7 @@ std::unique_ptr<Lane> Lanes::acquire() {
   }
   lane->owned = owned_;
   lane->native_barrier = native_barrier_;
+  lane->prefix = prefix_;
   lane->extended = extended_;
   return lane;
 }

@@ -32,6 +32,10 @@ struct Lane {
   bool native_barrier = false;
   bool extended = false;
   double timeout = -1.0;
+  // On the TCPStore path under PrefixStores: what they put before a key, and the TCPStore
+  // under them (PrefixStore does not forward barrier(), so it is called there, with the full key).
+  std::string prefix;
+  c10::intrusive_ptr<c10d::Store> base;
 
   void set(const std::string& key, const std::string& value);
   int64_t add(const std::string& key, int64_t value);
@@ -68,6 +72,7 @@ class Lanes {
   bool owned_;
   bool native_barrier_;
   bool extended_;
+  std::string prefix_;
   std::mutex mutex_;
   std::vector<std::unique_ptr<Lane>> free_;
 };

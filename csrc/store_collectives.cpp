@@ -232,6 +232,9 @@ int64_t StoreCollectives::all_sum(const Key& key, int64_t data, double timeout) 
   if (world_ == 1) {
     return data;
   }
+  if (!lanes_->native_barrier()) {
+    return sum_counted(op, data);
+  }
   auto gathered = exchange(op, std::to_string(data));
   std::vector<int64_t> values;
   values.reserve(world_);
@@ -283,7 +286,30 @@ Op StoreCollectives::begin(const std::string& name, const Key& key, double timeo
   return Op{name, label, K::op_prefix(world_, key, seq), timeout, deadline};
 }
 
-void StoreCollectives::arrive(const Op& op, Lane& lane) {
+int64_t StoreCollectives::sum_counted(const Op& op, int64_t value) {
+  // Add to one running total, then arrive at the add/done barrier, whose last arriver reads the
+  // total and publishes it in the done flag: 3 calls per rank (add, add, get), 4 for the last.
+  std::string total_key = op.key(K::kSum);
+  std::string done;
+  {
+    LaneGuard lane(*lanes_, open_lane(op));
+    try {
+      lane->add(total_key, value);
+    } catch (const std::exception& exc) {
+      failure(op, exc);
+    }
+    Lane& ln = *lane;
+    done = arrive(op, ln, [&ln, &total_key]() { return std::to_string(ln.add(total_key, 0)); });
+  }
+  exit_later(op, world_, {K::kArrive, K::kSum, K::kDone});
+  auto total = K::parse_total(done);
+  if (!total) {
+    throw CollectiveError(op.name, op.label, "unexpected value in the store (not written by torch_ctrl?)");
+  }
+  return *total;
+}
+
+std::string StoreCollectives::arrive(const Op& op, Lane& lane, const std::function<std::string()>& publish) {
   std::string counter = op.key(K::kArrive);
   std::string done;
   std::optional<std::string> log_key;
@@ -309,18 +335,19 @@ void StoreCollectives::arrive(const Op& op, Lane& lane) {
           throw std::runtime_error("barrier timeout");
         }
       }
-      return;
+      return "";
     }
     if (lane.add(counter, 1) == world_) {
-      lane.set(op.key(K::kDone), std::string(1, K::kTagData));
-      return;
+      std::string payload = publish ? publish() : "";
+      lane.set(op.key(K::kDone), std::string(1, K::kTagData) + payload);
+      return payload;
     }
     Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set({op.key(K::kDone)}));
     done = lane.get(op.key(K::kDone), op.left());
   } catch (const std::exception& exc) {
     failure(op, exc);
   }
-  untag(op, lane, op.key(K::kDone), done);
+  return untag(op, lane, op.key(K::kDone), done).first;
 }
 
 Gathered StoreCollectives::exchange(const Op& op, const std::string& payload) {
@@ -544,9 +571,9 @@ void StoreCollectives::timeout(const Op& op, Lane& lane) {
   std::set<int> present;
   std::optional<int> arrived;
   bool exchange = op.name == "all_gather" || op.name == "all_sum";
-  if (op.name == "gather_recv" || (exchange && !lane.native_barrier)) {
+  if (op.name == "gather_recv" || (op.name == "all_gather" && !lane.native_barrier)) {
     present = present_slots(op, lane);
-  } else if (exchange) {
+  } else if (exchange && lane.native_barrier) {
     for (const auto& [r, v] : K::parse_frames(lane.peek(op.key(K::kLog)).value_or(""))) {
       if (r >= 0) {
         present.insert(r);

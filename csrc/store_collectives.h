@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <functional>
 #include <deque>
 #include <set>
 #include <memory>
@@ -69,7 +70,11 @@ class StoreCollectives {
   Op begin(const std::string& name, const Key& key, double timeout);
   std::unique_ptr<Lane> open_lane(const Op& op);
   static Wake wake_set(std::vector<std::string> keys);
-  void arrive(const Op& op, Lane& lane);
+  // Arrive at the op's barrier and wait for every rank; on the add/done barrier the last
+  // arriver writes publish() (or nothing) as the done flag's payload, and every rank returns it.
+  std::string arrive(const Op& op, Lane& lane, const std::function<std::string()>& publish = nullptr);
+  // all_sum on the generic path: O(1) store work per rank.
+  int64_t sum_counted(const Op& op, int64_t value);
   // Every rank's payload, indexed by rank.
   Gathered exchange(const Op& op, const std::string& payload);
   Gathered exchange_slots(const Op& op, const std::string& payload);

@@ -310,7 +310,7 @@ def test_each_round_starts_with_a_clean_workers_store() -> None:
 
     rdzv, workers = Stores("tcp"), Stores("tcp")
     workers.admin.set("default_pg/0//cpu/rank_1", "127.0.0.1:15748")
-    workers.admin.set("torch_ctrl/run/job/round0/torch_ctrl/1/w4/_/abort", "1:failed")
+    workers.admin.set("torch_ctrl/run/job/round0/torch_ctrl/2/w4/_/abort", "1:failed")
     workers.admin.set("torch.rendezvous.job.0/state", "kept")
 
     def node(rank: int) -> tuple[str, int]:

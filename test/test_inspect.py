@@ -183,7 +183,7 @@ def test_inspecting_writes_nothing() -> None:
     for key, value in before.items():
         py.set(key, value)
     Recording.calls.clear()
-    torch_ctrl.inspect(py, interval=0.1, prefix="torch_ctrl/1/w2/")
+    torch_ctrl.inspect(py, interval=0.1, prefix="torch_ctrl/2/w2/")
     assert Recording.calls <= {"check", "get", "multi_get", "list_keys", "num_keys", "clone", "set_timeout"}
     colls[0].abort("test over")
     for t in threads:

@@ -2,7 +2,7 @@
 
 Every store key torch_ctrl writes has the form::
 
-    torch_ctrl/1/w{world_size}/{token}/{field}
+    torch_ctrl/2/w{world_size}/{token}/{field}
 
 * ``1`` is the protocol version (bumped on any incompatible change).
 * ``w{world_size}`` separates groups of different sizes sharing one store.
@@ -19,7 +19,7 @@ Every store key torch_ctrl writes has the form::
   keys or with each other.
 * ``{field}`` is one of the short names below.
 
-Group-wide keys (abort notice, heartbeats) live under ``torch_ctrl/1/w{world_size}/_``.
+Group-wide keys (abort notice, heartbeats) live under ``torch_ctrl/2/w{world_size}/_``.
 The C++ twin of this module is ``csrc/keys.h``; keep them identical.
 """
 
@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 
-PROTOCOL = "torch_ctrl/1"
+PROTOCOL = "torch_ctrl/2"
 MAX_TOKEN = 160
 
 # Fields of one collective.
@@ -37,6 +38,7 @@ DONE = "d"  # done flag / broadcast payload (tagged value)
 LOG = "g"  # append-only log of frames (all_gather, all_sum)
 NAMES = "a"  # append-only log of "rank," written by ranks blocked past the grace period
 EXIT = "x"  # exit counter: the rank that brings it to the expected count deletes the keys
+SUM = "s"  # running total of a generic-path all_sum (add)
 
 # Value tags: the first byte of every single-value key (and of every log frame's payload).
 TAG_DATA = b"D"  # b"D" + payload
@@ -91,7 +93,7 @@ def token(key: str | None, seq: int) -> str:
 
 
 def op_prefix(world_size: int, key: str | None, seq: int) -> str:
-    """``torch_ctrl/1/w{N}/{token}``: the prefix of one collective's keys."""
+    """``torch_ctrl/2/w{N}/{token}``: the prefix of one collective's keys."""
     return f"{group_root(world_size)}/{token(key, seq)}"
 
 
@@ -161,6 +163,20 @@ def parse_frames(log: bytes) -> list[tuple[int, bytes]]:
         out.append((rank, bytes(log[start : start + size])))
         pos = start + size
     return out
+
+
+_DECIMAL = re.compile(rb"-?[0-9]{1,19}")
+BAD_VALUE = "unexpected value in the store (not written by torch_ctrl?)"
+
+
+def parse_total(value: bytes, error: Callable[[], Exception]) -> int:
+    """A published all_sum total: ``-?[0-9]+`` within int64 (the C++ twin's ``from_chars``
+    rule); anything else raises ``error()``."""
+    if _DECIMAL.fullmatch(value):
+        total = int(value)
+        if -(1 << 63) <= total < (1 << 63):
+            return total
+    raise error()
 
 
 def parse_names(log: bytes) -> set[int]:

@@ -22,6 +22,7 @@ The C++ twin rebuilds such chains with new clients.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -76,6 +77,28 @@ def key_prefix(store: dist.Store) -> str:
     return full[: -len(probe)]
 
 
+def chain_prefix(store: dist.Store) -> str:
+    """What the PrefixStores over a TCPStore put before a key (``"job/"`` for
+    ``PrefixStore("job", tcp)``): from the extension where it is in use, else by writing a
+    probe key through them and finding it with the TCPStore's ``list_keys`` (once per
+    instance; the probe is deleted)."""
+    from . import loader  # at call time: the loader imports this module
+
+    if loader.backend() == "cpp":
+        from ._C import _base_key  # type: ignore[attr-defined]
+
+        return str(_base_key(store, "")[1])
+    probe = f"torch_ctrl/probe/{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}"
+    store.set(probe, b"")
+    try:
+        found = [k for k in base_store(store).list_keys() if k.endswith(probe)]
+    finally:
+        store.delete_key(probe)
+    if len(found) != 1:
+        raise RuntimeError(f"cannot tell the key prefix of this PrefixStore (probe found {len(found)} times)")
+    return found[0][: -len(probe)]
+
+
 def new_client(store: dist.TCPStore) -> dist.TCPStore:
     """A new client of ``store``'s server (same host, port, backend and timeout): a lane
     where this torch has no ``clone()``."""
@@ -102,6 +125,8 @@ class Lane:
         self.sliced = sliced  # a TCPStore client shared by every caller: wait in slices
         self._timeout: float | None = None
         self._prefix: str | None = None  # what PrefixStores put before a key (see key_prefix)
+        self.prefix = ""  # the same, on the TCPStore path (set by Lanes)
+        self._base: dist.Store | None = None  # the TCPStore under the PrefixStores
 
     # -- plain calls ---------------------------------------------------------
     def set(self, key: str, value: bytes) -> None:
@@ -212,9 +237,15 @@ class Lane:
     def barrier(self, key: str, world_size: int, seconds: float) -> None:
         """TCPStore's server-side barrier: add 1 to ``key``, wait until it reaches ``world_size``."""
         # Only TCPStore lanes have it, and those are always owned (clones): the barrier takes
-        # the lane's timeout, so no timedelta is built per call.
+        # the lane's timeout (a PrefixStore passes set_timeout on to its TCPStore), so no
+        # timedelta is built per call. Under PrefixStores it is called on the TCPStore itself.
         self._arm(seconds)
-        self.store.barrier(key, world_size)
+        if self.prefix:
+            if self._base is None:
+                self._base = base_store(self.store)
+            self._base.barrier(self.prefix + key, world_size)
+        else:
+            self.store.barrier(key, world_size)
 
     def list_keys(self) -> list[str] | None:
         try:
@@ -254,15 +285,24 @@ class Lanes:
         else:
             self.owned = isinstance(store, dist.TCPStore)
         self.sliced = tcp and not self.owned
-        # Server-side barrier only on a TCPStore passed directly, where this torch has one:
-        # both implementations must take the same path for a given store.
-        self.native_barrier = capabilities.BARRIER and isinstance(store, dist.TCPStore)
+        # The TCPStore path: a TCPStore under any number of PrefixStores, where this torch's
+        # TCPStore has a server-side barrier (and, under PrefixStores, list_keys: Python learns
+        # their prefix with it). Both implementations apply this same rule to a given store.
+        chain = store is not base
+        self.native_barrier = capabilities.BARRIER and tcp and (not chain or capabilities.LIST_KEYS)
         try:
             self.extended = bool(store.has_extended_api())
         except Exception:  # noqa: BLE001 - Python stores may not implement it
             self.extended = False
         self._free: list[Lane] = []
         self._lock = threading.Lock()
+        # What the PrefixStores put before a key: the server-side barrier is called on the
+        # TCPStore under them, with the full key (PrefixStore does not forward barrier()).
+        self.prefix = ""
+        if self.native_barrier and chain:
+            lane = self.acquire()
+            self.prefix = lane.prefix = chain_prefix(lane.store)
+            self.release(lane)
 
     def acquire(self) -> Lane:
         with self._lock:
@@ -274,7 +314,9 @@ class Lanes:
             handle = self.store.clone()
         else:
             handle = new_client(self.store)
-        return Lane(handle, self.owned, self.native_barrier, self.extended, self.sliced)
+        lane = Lane(handle, self.owned, self.native_barrier, self.extended, self.sliced)
+        lane.prefix = getattr(self, "prefix", "")
+        return lane
 
     def release(self, lane: Lane) -> None:
         with self._lock:

@@ -24,6 +24,7 @@ from .base import (
     check_heartbeat,
     check_init,
     check_key,
+    check_reason,
     to_bytes,
     to_bytes_list,
     to_int64,
@@ -214,6 +215,8 @@ class PyStoreCollectives(ControlCollectives):
         op = self._begin("all_sum", key, timeout)
         if self._world == 1:
             return value
+        if not self._lanes.native_barrier:
+            return self._sum_counted(op, value)
         entries = self._exchange(op, b"%d" % value)
         try:
             return wrap_int64(sum(int(v) for v in entries.values()))
@@ -226,8 +229,7 @@ class PyStoreCollectives(ControlCollectives):
         """Mark the group (every instance on this store namespace and world size) as failed by
         this rank. Peers blocked in any collective raise ``CollectiveAbortedError`` within a
         second; later collectives raise it at once. Idempotent: the first reason wins."""
-        if not isinstance(reason, str):
-            raise TypeError(f"reason must be a str, got {type(reason).__name__}")
+        reason = check_reason(reason)  # a str, cut to MAX_REASON_BYTES like the C++ twin's
         mine = b"%d:%s" % (self._rank, reason.encode("utf-8", "replace"))
         with self._lanes.lane() as lane:
             notice = bytes(lane.store.compare_set(self._watcher.abort_key, b"", mine))
@@ -279,8 +281,24 @@ class PyStoreCollectives(ControlCollectives):
         except Exception as exc:
             raise collective_error(op.name, op.label, f"store error: {one_line(str(exc))}") from None
 
-    def _arrive(self, op: _Op, lane: Lane) -> None:
-        """Arrive at the op's barrier and wait for every rank (native or add/done)."""
+    def _sum_counted(self, op: _Op, value: int) -> int:
+        """all_sum on the generic path: O(1) store work per rank. Add to one running total,
+        then arrive at the add/done barrier, whose last arriver reads the total and publishes
+        it in the done flag: 3 calls per rank (``add``, ``add``, ``get``), 4 for the last."""
+        total_key = op.key(K.SUM)
+        with self._lane(op) as lane:
+            try:
+                lane.add(total_key, value)
+            except Exception as exc:
+                raise self._failure(op, exc) from None
+            done = self._arrive(op, lane, lambda: b"%d" % wrap_int64(lane.add(total_key, 0)))
+        self._exit_later(op, self._world, [K.ARRIVE, K.SUM, K.DONE])
+        return K.parse_total(done, lambda: collective_error(op.name, op.label, K.BAD_VALUE))
+
+    def _arrive(self, op: _Op, lane: Lane, publish: Callable[[], bytes] | None = None) -> bytes:
+        """Arrive at the op's barrier and wait for every rank (native or add/done). On the
+        add/done barrier the last arriver writes ``publish()`` (or nothing) as the done flag's
+        payload, and every rank returns that payload."""
         counter = op.key(K.ARRIVE)
         log_key = op.key(K.LOG) if op.name in ("all_gather", "all_sum") else None
 
@@ -300,15 +318,16 @@ class PyStoreCollectives(ControlCollectives):
                         value = lane.peek(counter)
                         if value is not None and int(value) < self._world:
                             raise TimeoutError("barrier timeout")
-                return
+                return b""
             if lane.add(counter, 1) == self._world:
-                lane.set(op.key(K.DONE), K.TAG_DATA)
-                return
+                payload = publish() if publish is not None else b""
+                lane.set(op.key(K.DONE), K.TAG_DATA + payload)
+                return payload
             with self._watcher.blocked(op.key(K.NAMES), op.seconds, self._wake_set([op.key(K.DONE)])):
                 done = lane.get(op.key(K.DONE), op.left())
         except Exception as exc:
             raise self._failure(op, exc) from None
-        self._untag(op, lane, op.key(K.DONE), done)
+        return self._untag(op, lane, op.key(K.DONE), done)[0]
 
     def _exchange(self, op: _Op, payload: bytes) -> dict[int, bytes]:
         """all_gather/all_sum: every rank's payload, by rank.
@@ -463,9 +482,9 @@ class PyStoreCollectives(ControlCollectives):
         """Count who arrived (O(1) store reads) and name the missing ranks."""
         if op.name in ("broadcast_recv", "scatter_recv"):
             return timeout_error(op.name, op.label, op.seconds, self._world, detail="nothing was sent")
-        if op.name == "gather_recv" or (op.name in ("all_gather", "all_sum") and not lane.native_barrier):
+        if op.name == "gather_recv" or (op.name == "all_gather" and not lane.native_barrier):
             present = self._present_slots(op, lane)
-        elif op.name in ("all_gather", "all_sum"):
+        elif op.name in ("all_gather", "all_sum") and lane.native_barrier:
             present = {r for r, _ in K.parse_frames(lane.peek(op.key(K.LOG)) or b"") if r >= 0}
         else:  # barrier
             lane.append(op.key(K.NAMES), b"%d," % self._rank)

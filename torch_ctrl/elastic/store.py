@@ -12,10 +12,14 @@ Same functions, signatures and return values as torch's module; what changes:
 
 Key layout: each call runs one collective of a fresh ``StoreCollectives`` on ``store``
 itself, keyed ``{key_prefix}/{op}``, so its keys are
-``torch_ctrl/1/w{world_size}/k{escaped key_prefix/op}/...`` (see ``docs/protocol.md``);
+``torch_ctrl/2/w{world_size}/k{escaped key_prefix/op}/...`` (see ``docs/protocol.md``);
 no PrefixStore is involved, so Python-written stores (which torch's PrefixStore cannot
 delete keys from) are cleaned up too. :func:`get_all` still reads the ``{prefix}{idx}``
 keys its callers set.
+
+Stores that are not a ``torch.distributed.Store`` (duck-typed objects with the store methods,
+which torch's functions accept, e.g. the mocks in torch's own tests) are handed to torch's
+original function, so they behave exactly as they do without torch_ctrl.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -56,6 +61,24 @@ def store_timeout(store: dist.Store, timeout: float) -> Iterator[None]:
         store.set_timeout(old)
 
 
+def _duck(store: object) -> bool:
+    """True for a store torch_ctrl cannot run collectives on (not a ``torch.distributed.Store``)."""
+    return not isinstance(store, dist.Store)
+
+
+def _torch(name: str) -> Any:
+    """torch's own ``torch.distributed.elastic.utils.store.{name}``, also while install() has
+    put this module's function in its place."""
+    import importlib
+
+    from . import _original  # the package imports this module first: resolved at call time
+
+    original = _original(importlib.import_module("torch.distributed.elastic.utils.store"), name)
+    if getattr(original, "__module__", None) == __name__:  # never hand a call back to ourselves
+        raise RuntimeError(f"torch's original {name}() is not available")
+    return original
+
+
 @contextmanager
 def _group(store: dist.Store, rank: int, world_size: int) -> Iterator[StoreCollectives]:
     coll = StoreCollectives(store, rank, world_size)
@@ -87,6 +110,8 @@ def get_all(store: dist.Store, rank: int, prefix: str, world_size: int) -> list[
         store.set(f"addr/{rank}", my_addr)
         addrs = get_all(store, rank, "addr/", world_size)
     """
+    if _duck(store):
+        return _torch("get_all")(store, rank, prefix, world_size)  # type: ignore[no-any-return]
     rank, world_size = _check(store, rank, world_size, prefix)
     values = [bytes(v) for v in store.multi_get([f"{prefix}{idx}" for idx in range(world_size)])]
     with _group(store, rank, world_size) as coll:
@@ -116,6 +141,8 @@ def synchronize(
 
         infos = synchronize(store, json.dumps(info).encode(), rank, world_size, "node-info")
     """
+    if _duck(store):
+        return _torch("synchronize")(store, data, rank, world_size, key_prefix, timeout)  # type: ignore[no-any-return]
     rank, world_size = _check(store, rank, world_size, key_prefix)
     payload = to_bytes(data)
     with _group(store, rank, world_size) as coll:
@@ -151,6 +178,10 @@ def barrier(
 
         barrier(store, world_size, key_prefix="ckpt-saved", barrier_timeout=600, rank=rank)
     """
+    if _duck(store):
+        return _torch("barrier")(  # type: ignore[no-any-return]
+            store, world_size, key_prefix, barrier_timeout, rank, rank_tracing_decoder, trace_timeout
+        )
     if rank is None and rank_tracing_decoder is not None:
         raise AssertionError("Tracing requires rank information")
     seconds = to_seconds(barrier_timeout)
