@@ -4,7 +4,9 @@ both implementations (so bad input fails the same way, before any store traffic)
 from __future__ import annotations
 
 import abc
+import logging
 import operator
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -12,10 +14,21 @@ from typing import Union
 
 import torch.distributed as dist
 
+from .errors import one_line
+
 Data = Union[bytes, bytearray, memoryview, str]
 Timeout = Union[timedelta, int, float]
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+# An abort reason is cut to this many bytes of UTF-8 (marker included) before it is written:
+# it travels in every peer's error message, and TCPStore cannot carry a value over 8 MiB.
+MAX_REASON_BYTES = 4096
+# How long abort_on_error() lets the abort take before it re-raises the caller's exception
+# (a healthy abort is one store round trip; a dead store can take the store's timeout, twice).
+ABORT_ON_ERROR_TIMEOUT = 2.0
+
+log = logging.getLogger("torch_ctrl")
 
 # The nine collective methods of ControlCollectives, in documentation order.
 METHODS = (
@@ -222,6 +235,8 @@ class ControlCollectives(abc.ABC):
 
         Args:
             reason: one line saying why; the first abort's reason is what every rank reports.
+                Cut to ``MAX_REASON_BYTES`` (4096) bytes of UTF-8, ending in
+                ``" [truncated from N bytes]"``, by both implementations.
 
         Raises:
             NotImplementedError: the backend has no fail-fast support.
@@ -233,21 +248,30 @@ class ControlCollectives(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support abort()")
 
     @contextmanager
-    def abort_on_error(self) -> Iterator[None]:
+    def abort_on_error(self, abort_timeout: Timeout = ABORT_ON_ERROR_TIMEOUT) -> Iterator[None]:
         """Context manager: if the block raises, abort the group with the exception's type and
-        message (``"OSError: disk full"``), then re-raise.
+        first line (``"OSError: disk full"``), then re-raise that exception unchanged.
+
+        The abort is given at most ``abort_timeout`` (default 2 s): a healthy abort takes one
+        store round trip, but with the store down it could take the store's timeout. If it
+        fails or is not done in time, the caller's exception is still what is raised: the
+        failure is logged (logger ``torch_ctrl``, warning) and added to the exception as a
+        note (Python 3.11+); an abort still in progress goes on in the background.
+
+        Args:
+            abort_timeout: how long to wait for the abort (``timedelta`` or seconds).
 
         Example::
 
             with coll.abort_on_error():
                 load_checkpoint()
         """
+        seconds = to_seconds(abort_timeout)
         try:
             yield
         except BaseException as exc:
             if not isinstance(exc, GeneratorExit):
-                text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                self.abort(f"{type(exc).__name__}: {text}")
+                _abort_for(self, exc, seconds)
             raise
 
     def close(self, flush_timeout: float = 5.0) -> None:  # noqa: B027 - optional for other backends
@@ -268,6 +292,46 @@ class ControlCollectives(abc.ABC):
         self.close()
 
 
+def _abort_for(coll: ControlCollectives, exc: BaseException, seconds: float) -> None:
+    """Abort ``coll``'s group because of ``exc``, waiting at most ``seconds``; never raises.
+
+    The abort runs on a thread of its own so that a store that is down (a reconnect retries
+    for the store's whole timeout) cannot hold the caller's exception back, and so that its
+    own errors cannot replace that exception or become its ``__context__``."""
+    try:
+        text = str(exc).strip()
+    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the exception
+        text = ""
+    first = text.splitlines()[0] if text else ""
+    reason = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    failed: list[BaseException] = []
+
+    def attempt() -> None:
+        try:
+            coll.abort(reason)
+        except BaseException as err:  # noqa: BLE001 - reported below, never raised
+            failed.append(err)
+
+    worker = threading.Thread(target=attempt, name="torch_ctrl-abort", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        problem = f"the abort did not complete within {seconds:g}s (store unreachable?); it goes on in the background"
+    elif failed:
+        err = failed[0]
+        detail = one_line(str(err))
+        problem = f"the abort failed: {type(err).__name__}" + (f": {detail}" if detail else "")
+    else:
+        return
+    log.warning("torch_ctrl: abort_on_error: the group was not aborted after %s: %s", type(exc).__name__, problem)
+    add_note = getattr(exc, "add_note", None)  # Python 3.11+
+    if add_note is not None:
+        try:
+            add_note(f"torch_ctrl: the group was not aborted: {problem}")
+        except Exception:  # noqa: BLE001 - an exception type that refuses notes
+            pass
+
+
 # --------------------------------------------------------------------------- checks
 
 
@@ -281,6 +345,20 @@ def check_init(store: object, rank: object, world_size: object) -> tuple[int, in
     if not 0 <= rank_i < world_i:
         raise ValueError(f"rank must be in [0, {world_i}), got {rank_i}")
     return rank_i, world_i
+
+
+def check_reason(reason: object) -> str:
+    """An abort reason: a ``str``, as valid UTF-8 (unencodable characters become ``?``), cut
+    to :data:`MAX_REASON_BYTES` bytes ending in ``" [truncated from N bytes]"``. Both
+    implementations write exactly this text."""
+    if not isinstance(reason, str):
+        raise TypeError(f"reason must be a str, got {type(reason).__name__}")
+    data = reason.encode("utf-8", "replace")
+    if len(data) <= MAX_REASON_BYTES:
+        return reason if reason.isascii() else data.decode("utf-8")
+    marker = f" [truncated from {len(data)} bytes]"
+    # "ignore" drops a character cut in half at the end.
+    return data[: MAX_REASON_BYTES - len(marker)].decode("utf-8", "ignore") + marker
 
 
 def check_heartbeat(heartbeat_interval: object) -> float | None:

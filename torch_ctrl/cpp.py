@@ -22,6 +22,7 @@ from .base import (
     check_heartbeat,
     check_init,
     check_key,
+    check_reason,
     to_bytes,
     to_bytes_list,
     to_int64,
@@ -119,9 +120,7 @@ class CppStoreCollectives(ControlCollectives):
         """Mark the group (every instance on this store namespace and world size) as failed by
         this rank. Peers blocked in any collective raise ``CollectiveAbortedError`` within a
         second; later collectives raise it at once. Idempotent: the first reason wins."""
-        if not isinstance(reason, str):
-            raise TypeError(f"reason must be a str, got {type(reason).__name__}")
-        self._impl.abort(reason)
+        self._impl.abort(check_reason(reason))  # a str, cut to MAX_REASON_BYTES like the Python twin's
 
     def close(self, flush_timeout: float = 5.0) -> None:
         """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections."""
