@@ -15,8 +15,9 @@ that no timeout is ever set on them.
 On a torch whose stores have no ``clone()`` (see :mod:`torch_ctrl.capabilities`), a
 TCPStore's lanes are new clients to the same host and port. A PrefixStore over a TCPStore
 cannot be rebuilt from Python there (its prefix is not exposed), so its one client is
-shared, and blocking waits on it are cut into ``SLICE`` second waits: the client's lock is
-never held longer than that, so other threads and the watcher's heartbeats get through.
+shared, and blocking waits on it poll ``check`` (pauses of up to ``SLICE`` seconds): the
+client's lock is never held while waiting, so other threads and the watcher's heartbeats get
+through.
 The C++ twin rebuilds such chains with new clients.
 """
 
@@ -36,7 +37,7 @@ from . import capabilities
 from . import keys as K
 
 _TICK = 0.001  # smallest timeout handed to a store (0 means "forever" to some stores)
-SLICE = 0.1  # longest wait on a TCPStore client shared by several callers (no clone())
+SLICE = 0.05  # longest pause between checks on a TCPStore client shared by several callers (no clone())
 
 
 def peek(store: dist.Store, key: str) -> bytes | None:
@@ -122,7 +123,7 @@ class Lane:
         self.owned = owned
         self.native_barrier = native_barrier
         self.extended = extended
-        self.sliced = sliced  # a TCPStore client shared by every caller: wait in slices
+        self.sliced = sliced  # a TCPStore client shared by every caller: waits poll check()
         self._timeout: float | None = None
         self._prefix: str | None = None  # what PrefixStores put before a key (see key_prefix)
         self.prefix = ""  # the same, on the TCPStore path (set by Lanes)
@@ -195,16 +196,17 @@ class Lane:
             self.store.wait(list(keys))
 
     def _wait_sliced(self, keys: Sequence[str], seconds: float) -> None:
-        """``wait`` in waits of at most ``SLICE`` seconds, releasing the shared client between them."""
+        """``wait`` on a client shared by every caller: poll ``check`` (backing off from 1 ms to
+        50 ms), so the client is never held while waiting (a timed-out TCPStore ``wait`` would
+        also log two warnings per slice)."""
         deadline = time.monotonic() + seconds
-        while True:
+        pause = 0.001
+        while not self.store.check(list(keys)):
             left = deadline - time.monotonic()
-            try:
-                self.store.wait(list(keys), timedelta(seconds=max(min(left, SLICE), _TICK)))
-                return
-            except dist.DistStoreError:
-                if left <= SLICE:
-                    raise
+            if left <= 0:
+                raise dist.DistStoreError(f"wait timeout after {seconds:g}s, keys: {list(keys)}")
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, SLICE)
 
     def _fits(self, seconds: float) -> bool:
         """True when a plain blocking read can be used: the lane is ours (its timeout is
