@@ -238,3 +238,15 @@ def test_isolated_build_says_how_to_build_the_extension(tmp_path: Path) -> None:
     assert len(warns) == 1, warns
     assert "torch was not importable at build time" in warns[0] and "--no-build-isolation" in warns[0]
     assert "circular import" not in warns[0]
+
+
+def test_both_twins_detect_the_same_store_capabilities() -> None:
+    """The path an op takes depends on them, so C++ (from torch's headers) and Python (from
+    torch's classes) must agree on every torch."""
+    from torch_ctrl import capabilities
+
+    if torch_ctrl.backend() != "cpp":
+        pytest.skip("needs the C++ extension")
+    from torch_ctrl import _C
+
+    assert dict(_C._capabilities) == capabilities.detected()
