@@ -12,6 +12,7 @@ from .bench import BASELINE, CONTENDERS, COUNTED, HEARTBEAT, LABELS, OPS, STORE_
 Record = dict[str, Any]
 SHORT = {"torch": "torch", "cpp": "C++", "python": "Python"}  # the side-by-side table's columns
 STYLES = ("-", "--", ":", "-.")  # one line style per store kind in the combined plot
+STYLE_NAMES = dict(zip(STYLES, ("solid", "dashed", "dotted", "dash-dot")))
 
 
 def _md(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -218,12 +219,6 @@ def plots(records: list[Record], ops: Sequence[str], contenders: Sequence[str], 
     if len(kinds) == 1:
         notes.append(plot(records, ops, contenders, out / "latency.png", f"{title}, {kinds[0]} store"))
     elif kinds:
-        notes.append(
-            plot_stores(
-                records,
-                ops,
-                out / "latency.png",
-                f"{title}: " + " / ".join(f"{k} {STYLES[i % len(STYLES)]}" for i, k in enumerate(kinds)),
-            )
-        )
+        styles = ", ".join(f"{k} {STYLE_NAMES[STYLES[i % len(STYLES)]]}" for i, k in enumerate(kinds))
+        notes.append(plot_stores(records, ops, out / "latency.png", f"{title}: {styles}"))
     return list(dict.fromkeys(notes))
