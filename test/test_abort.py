@@ -62,7 +62,9 @@ def test_abort_wakes_blocked_peers_within_a_second(impl: str, kind: str, op: str
 
     for rank, out in enumerate(run_ranks(WORLD, fn, timeout=30)[:3]):
         took, exc = out
-        assert took < 1.0, (rank, took)
+        # The claim: 0.7 s between abort polls plus a round trip, so under 1 s; 0.5 s more for
+        # a 2-core machine under load. A missed wake would take the op's 300 s timeout.
+        assert took < 1.0 + 0.5, (rank, took)
         assert exc.rank == 3 and exc.reason == "disk full"
         assert "rank 3" in str(exc) and "disk full" in str(exc) and "\n" not in str(exc)
         assert isinstance(exc, dist.DistStoreError)
@@ -75,7 +77,7 @@ def test_later_collective_on_another_instance_fails_at_once(impl: str) -> None:
     start = time.monotonic()
     with pytest.raises(CollectiveAbortedError, match="group aborted by rank 1: bad config") as info:
         other.all_gather("anything", b"x", 300)
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 0.5  # no store wait at all (an abort poll alone is 0.7 s)
     assert info.value.rank == 1
     with pytest.raises(CollectiveAbortedError):
         other.barrier()  # and every later one
@@ -230,7 +232,8 @@ def test_abort_across_processes(impl: str) -> None:
     for kind, rank, when, *rest in peers:
         assert kind == "aborted", (kind, rank, rest)
         assert rest == [3, "disk full"]
-        assert when - aborted_at < 1.0, when - aborted_at
+        # Under 1 s (0.7 s poll + a round trip) from the call to abort(); 0.5 s for load.
+        assert when - aborted_at < 1.0 + 0.5, when - aborted_at
 
 
 @pytest.mark.parametrize("how", ["close", "gc"])

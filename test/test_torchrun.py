@@ -35,7 +35,9 @@ def test_healthy_node_leaves_exit_barrier_naming_the_failed_node(store_on: str) 
     _report(f"store on {store_on} node: healthy agent exited after", healthy.elapsed)
     assert failing.returncode == 1, failing.output
     assert healthy.returncode == 0, healthy.output  # its own workers succeeded
-    assert healthy.elapsed < 60, healthy.output
+    # torch waits out the exit barrier (300 s); startup of 2 agents and 4 workers is ~15 s, more
+    # on a loaded 2-core machine, so the bound is generous and still far from 300 s.
+    assert healthy.elapsed < 120, healthy.output
     notice = re.search(r"torch_ctrl: (node 1 on host \S+ failed: rank 3: exit code 3)", failing.output)
     assert notice, failing.output
     assert notice.group(1) in healthy.output
@@ -45,13 +47,15 @@ def test_healthy_node_leaves_exit_barrier_naming_the_failed_node(store_on: str) 
 
 @pytest.mark.parametrize("store_on", ["healthy", "failing"])
 def test_working_node_stops_at_once_when_another_node_fails(store_on: str) -> None:
-    """Node 1's local rank 1 exits 3 at once while node 0's workers have 60 s of work
+    """Node 1's local rank 1 exits 3 at once while node 0's workers have 150 s of work
     (torch with the store on the failing node: RendezvousConnectionError, cause not shown)."""
-    nodes = torchrun_two_nodes(["fail-running", "60"], host_node=0 if store_on == "healthy" else 1, failing_node=1)
+    nodes = torchrun_two_nodes(["fail-running", "150"], host_node=0 if store_on == "healthy" else 1, failing_node=1)
     healthy, failing = nodes
     _report(f"store on {store_on} node, workers running: healthy agent exited after", healthy.elapsed)
     assert failing.returncode == 1 and healthy.returncode == 1, healthy.output
-    assert healthy.elapsed < 40, healthy.output  # its workers were stopped, not waited for
+    # Its workers were stopped, not waited for: their 150 s of work would come on top of the
+    # startup (~15 s, more under load).
+    assert healthy.elapsed < 120, healthy.output
     assert re.search(r"node 1 on host \S+ failed: rank 3: exit code 3", healthy.output), healthy.output
     assert "stopping this node's workers" in healthy.output
     assert STORE_ERROR not in healthy.output + failing.output
@@ -62,7 +66,8 @@ def test_workers_blocked_in_collectives_are_released_by_the_notice() -> None:
     failing, healthy = torchrun_two_nodes(["fail-blocked"], host_node=0, failing_node=0)
     _report("store on failing node, workers blocked: healthy agent exited after", healthy.elapsed)
     assert failing.returncode == 1 and healthy.returncode == 1, healthy.output
-    assert healthy.elapsed < 60, healthy.output
+    # Released by the notice: not stuck until the workers' barrier times out (120 s after startup).
+    assert healthy.elapsed < 110, healthy.output
     assert re.search(r"node 0 on host \S+ failed: rank 1: exit code 3", healthy.output), healthy.output
     assert "stopping this node's workers" in healthy.output
     assert STORE_ERROR not in healthy.output + failing.output
@@ -80,7 +85,7 @@ def test_a_node_lost_without_a_word_is_named_by_its_heartbeat() -> None:
     healthy = nodes[0]
     _report("node 1 killed: healthy agent exited after", healthy.elapsed)
     assert healthy.returncode == 0, healthy.output
-    assert healthy.elapsed < 60, healthy.output
+    assert healthy.elapsed < 120, healthy.output  # torch: the exit barrier's 300 s
     assert re.search(r"node 1 on host \S+ failed: no heartbeat for [\d.]+s", healthy.output), healthy.output
 
 
