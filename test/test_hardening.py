@@ -168,6 +168,24 @@ def test_abort_reason_is_cut_at_a_character_boundary_identically(impl_name: str)
         check_reason(b"bytes")
 
 
+# ----------------------------------------------------------------------------- error text
+
+
+def test_a_timeout_with_every_rank_arrived_says_where_the_time_went() -> None:
+    """Seen when a stalled connect ate the deadline: "2/2 ranks arrived" alone contradicts
+    "timed out"; the text names the possible causes (both twins build it here)."""
+    from torch_ctrl.errors import timeout_error
+
+    exc = timeout_error("all_sum", "s0", 5, 2, arrived=2, missing=[])
+    text = str(exc)
+    assert text.startswith("all_sum 's0' timed out after 5s: 2/2 ranks arrived, but this rank did not finish")
+    assert "store calls stalled" in text and "\n" not in text
+    assert (exc.arrived, exc.world_size, exc.missing) == (2, 2, [])
+    assert str(timeout_error("barrier", "b", 5, 4, arrived=3, missing=[2])) == (
+        "barrier 'b' timed out after 5s: 3/4 ranks arrived; missing ranks: [2]"
+    )
+
+
 # ----------------------------------------------------------------------------- duck-typed stores
 
 

@@ -116,6 +116,13 @@ def timeout_error(
     msg = f"{op} {key!r} timed out after {seconds:g}s"
     if arrived is not None:
         msg += f": {arrived}/{world_size} ranks arrived"
+        if world_size and arrived >= world_size:
+            # No rank was missing, so the time went elsewhere: say where it can have gone.
+            msg += (
+                ", but this rank did not finish in time: the last rank arrived at the deadline, or"
+                " this rank's store calls stalled (a connection stuck in a reverse lookup or an"
+                " overloaded store; see docs/troubleshooting.md)"
+            )
         if missing:
             msg += f"; missing ranks: {format_ranks(missing)}"
     if detail:
