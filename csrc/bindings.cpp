@@ -8,6 +8,8 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include <sstream>
+
 // setup.py defines TORCH_CTRL_TORCH_VERSION as the bare version (2.13.0+cpu): a string
 // literal would not survive every build tool's quoting.
 #ifndef TORCH_CTRL_TORCH_VERSION
@@ -71,6 +73,52 @@ PYBIND11_MODULE(_C, m) {
   caps["barrier"] = torch_ctrl::compat::kBarrier;
   caps["list_keys"] = torch_ctrl::compat::kListKeys;
   m.attr("_capabilities") = caps;
+  // Test hook: one decoder of csrc/keys.cpp by name, twin of torch_ctrl.keys.decode (fuzzed
+  // against it); a DecodeError becomes ValueError with the same message.
+  m.def("_decode", [](const std::string& kind, const py::bytes& raw, int world) -> py::object {
+    namespace K = torch_ctrl::keys;
+    std::string data = raw;
+    try {
+      if (kind == "chunks") {
+        return py::int_(K::chunk_count(data));
+      }
+      if (kind == "counter") {
+        return py::int_(K::parse_counter(data));
+      }
+      if (kind == "total") {
+        auto total = K::parse_total(data);
+        if (!total) {
+          throw K::DecodeError(K::kBadValue);
+        }
+        return py::int_(*total);
+      }
+      if (kind == "frames") {
+        py::list out;
+        for (const auto& [rank, payload] : K::parse_frames(data, world)) {
+          out.append(py::make_tuple(rank, py::bytes(payload)));
+        }
+        return out;
+      }
+      if (kind == "names") {
+        py::list out;
+        for (int rank : K::parse_names(data, world)) {
+          out.append(rank);
+        }
+        return out;
+      }
+      if (kind == "chunk_sizes") {
+        std::vector<std::string> parts;
+        std::istringstream in(data);
+        for (size_t n; in >> n;) {
+          parts.emplace_back(n, 'x');
+        }
+        return py::int_(K::join_chunks(parts).size());
+      }
+    } catch (const K::DecodeError& exc) {
+      throw py::value_error(exc.what());
+    }
+    throw py::value_error("unknown decoder '" + kind + "'");
+  });
   m.def("_op_prefix", &torch_ctrl::keys::op_prefix, "Key prefix of one collective (for layout tests).");
   m.def("_base_key", &torch_ctrl::base_key, "The store under any PrefixStores, and the key as it sees it.");
 

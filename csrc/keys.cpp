@@ -134,83 +134,149 @@ std::pair<std::string, std::vector<std::pair<std::string, std::string>>> pack(
   return {kTagChunks + std::to_string(chunks.size()), chunks};
 }
 
-size_t chunk_count(const std::string& value) {
-  return std::stoull(value.substr(1));
-}
-
 std::string frame(int rank, const std::string& payload) {
   return std::to_string(rank) + ":" + std::to_string(payload.size()) + ":" + payload;
 }
 
 namespace {
-template <typename T>
-T parse_number(const std::string& log, size_t begin, size_t end) {
-  T value{};
-  auto [ptr, ec] = std::from_chars(log.data() + begin, log.data() + end, value);
-  if (ec != std::errc() || ptr != log.data() + end) {
-    throw std::runtime_error("malformed log entry");
+bool all_digits(const char* begin, const char* end) {
+  for (const char* p = begin; p != end; ++p) {
+    if (*p < '0' || *p > '9') {
+      return false;
+    }
+  }
+  return true;
+}
+
+// -?[0-9]{1,19} within int64 (keys.py's _int64).
+std::optional<int64_t> int64_of(const char* begin, const char* end) {
+  const char* digits = begin != end && *begin == '-' ? begin + 1 : begin;
+  if (digits == end || end - digits > 19 || !all_digits(digits, end)) {
+    return std::nullopt;
+  }
+  int64_t value = 0;
+  auto [ptr, ec] = std::from_chars(begin, end, value);
+  if (ec != std::errc() || ptr != end) {
+    return std::nullopt;
+  }
+  return value;
+}
+
+// [0-9]{1,20} (keys.py's _SIZE); nullopt past size_t.
+std::optional<size_t> size_of(const char* begin, const char* end) {
+  if (begin == end || end - begin > 20 || !all_digits(begin, end)) {
+    return std::nullopt;
+  }
+  size_t value = 0;
+  auto [ptr, ec] = std::from_chars(begin, end, value);
+  if (ec != std::errc() || ptr != end) {
+    return std::nullopt;
   }
   return value;
 }
 } // namespace
 
-std::vector<FrameSpan> frame_spans(const std::string& log) {
-  std::vector<FrameSpan> out;
-  size_t pos = 0;
-  while (pos < log.size()) {
-    size_t c1 = log.find(':', pos);
-    size_t c2 = c1 == std::string::npos ? c1 : log.find(':', c1 + 1);
-    if (c2 == std::string::npos) {
-      throw std::runtime_error("malformed log entry");
+size_t chunk_count(const std::string& value) {
+  const char* begin = value.data() + std::min<size_t>(1, value.size());
+  const char* end = value.data() + value.size();
+  auto n = end - begin <= 5 ? size_of(begin, end) : std::nullopt;
+  if (!n || *n < 2 || *n > kMaxChunks) {
+    throw DecodeError("bad chunk count");
+  }
+  return *n;
+}
+
+std::string join_chunks(const std::vector<std::string>& parts) {
+  std::string out;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    bool last = i + 1 == parts.size();
+    if (last ? (parts[i].empty() || parts[i].size() > kChunk) : parts[i].size() != kChunk) {
+      throw DecodeError("bad chunk size");
     }
-    int rank = parse_number<int>(log, pos, c1);
-    size_t size = parse_number<size_t>(log, c1 + 1, c2);
-    if (size > log.size() - (c2 + 1)) {
-      throw std::runtime_error("malformed log entry");
-    }
-    out.push_back(FrameSpan{rank, c2 + 1, size});
-    pos = c2 + 1 + size;
+    out += parts[i];
   }
   return out;
 }
 
-std::vector<std::pair<int, std::string>> parse_frames(const std::string& log) {
+int notice_rank(const std::string& text) {
+  auto n = int64_of(text.data(), text.data() + text.size());
+  return n && *n >= -1 && *n < (int64_t{1} << 31) ? static_cast<int>(*n) : -1;
+}
+
+int64_t parse_counter(const std::string& value) {
+  auto n = int64_of(value.data(), value.data() + value.size());
+  if (!n) {
+    throw DecodeError("bad counter");
+  }
+  return *n;
+}
+
+std::optional<int64_t> parse_total(const std::string& value) {
+  return int64_of(value.data(), value.data() + value.size());
+}
+
+std::vector<FrameSpan> frame_spans(const std::string& log, int world_size) {
+  std::vector<FrameSpan> out;
+  std::vector<bool> seen(world_size > 0 ? world_size : 0, false);
+  std::set<int64_t> seen_any;  // without a world size
+  const char* data = log.data();
+  size_t pos = 0;
+  while (pos < log.size()) {
+    size_t c1 = log.find(':', pos);
+    size_t c2 = c1 == std::string::npos ? c1 : log.find(':', c1 + 1);
+    std::optional<int64_t> rank;
+    std::optional<size_t> size;
+    if (c2 != std::string::npos) {
+      rank = int64_of(data + pos, data + c1);
+      size = size_of(data + c1 + 1, data + c2);
+    }
+    if (!rank || !size || *size > log.size() - (c2 + 1)) {
+      throw DecodeError("malformed log entry");
+    }
+    if (*rank != -1 && (*rank < 0 || (world_size >= 0 && *rank >= world_size))) {
+      throw DecodeError(
+          "frame of rank " + std::to_string(*rank) + " in a group of " +
+          (world_size >= 0 ? std::to_string(world_size) : std::string("None")));
+    }
+    if (*rank >= 0) {
+      bool dup = world_size >= 0 ? seen[*rank] : !seen_any.insert(*rank).second;
+      if (dup) {
+        throw DecodeError("two frames of rank " + std::to_string(*rank) + ": " + kCollision);
+      }
+      if (world_size >= 0) {
+        seen[*rank] = true;
+      }
+    }
+    out.push_back(FrameSpan{static_cast<int>(*rank), c2 + 1, *size});
+    pos = c2 + 1 + *size;
+  }
+  return out;
+}
+
+std::vector<std::pair<int, std::string>> parse_frames(const std::string& log, int world_size) {
   std::vector<std::pair<int, std::string>> out;
-  for (const auto& f : frame_spans(log)) {
+  for (const auto& f : frame_spans(log, world_size)) {
     out.emplace_back(f.rank, log.substr(f.start, f.size));
   }
   return out;
 }
 
-std::set<int> parse_names(const std::string& log) {
+std::set<int> parse_names(const std::string& log, int world_size) {
+  // Entries that are not a rank of the group are ignored (the log only names missing ranks).
   std::set<int> out;
   size_t pos = 0;
-  while (pos < log.size()) {
+  while (pos <= log.size()) {
     size_t comma = log.find(',', pos);
     if (comma == std::string::npos) {
       comma = log.size();
     }
-    if (comma > pos) {
-      out.insert(std::stoi(log.substr(pos, comma - pos)));
+    auto rank = int64_of(log.data() + pos, log.data() + comma);
+    if (rank && *rank >= 0 && (world_size < 0 || *rank < world_size)) {
+      out.insert(static_cast<int>(*rank));
     }
     pos = comma + 1;
   }
   return out;
-}
-
-std::optional<int64_t> parse_total(const std::string& value) {
-  // from_chars takes a leading '-' and digits only (no '+', spaces or '_'), like the twin's
-  // regular expression; at most 19 digits there, and in range here.
-  size_t digits = value.size() - (value.empty() || value[0] != '-' ? 0 : 1);
-  if (digits == 0 || digits > 19) {
-    return std::nullopt;
-  }
-  int64_t total = 0;
-  auto [ptr, ec] = std::from_chars(value.data(), value.data() + value.size(), total);
-  if (ec != std::errc() || ptr != value.data() + value.size()) {
-    return std::nullopt;
-  }
-  return total;
 }
 
 } // namespace torch_ctrl::keys

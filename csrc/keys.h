@@ -7,6 +7,7 @@
 #include <set>
 #include <string>
 #include <utility>
+#include <stdexcept>
 #include <vector>
 
 namespace torch_ctrl::keys {
@@ -53,18 +54,39 @@ std::string frame_key(const std::string& log_key, int rank);
 std::pair<std::string, std::vector<std::pair<std::string, std::string>>> pack(
     const std::string& key,
     const std::string& payload);
-size_t chunk_count(const std::string& value);
 std::string frame(int rank, const std::string& payload);
+
+// ---- decoding: twin of the decoding section of torch_ctrl/keys.py (same rules, same messages;
+// test/test_decode.py fuzzes the two against each other through _C._decode).
+constexpr size_t kMaxChunks = 4096;  // a chunked payload is at most kMaxChunks * kChunk bytes
+inline const std::string kBadValue = "unexpected value in the store (not written by torch_ctrl?)";
+inline const std::string kCollision =
+    "another group uses the same store and keys (give each group its own PrefixStore)";
+
+// A value read from the store that torch_ctrl could not have written; what() says what.
+struct DecodeError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Number of chunks of a "C{n}" value: 2 <= n <= kMaxChunks.
+size_t chunk_count(const std::string& value);
+// A chunked payload from its chunks: all but the last exactly kChunk bytes, the last at most that.
+std::string join_chunks(const std::vector<std::string>& parts);
+// The rank of an abort notice "{rank}:{reason}": -1 unless a decimal in [-1, 2^31).
+int notice_rank(const std::string& text);
+// A counter written by add(): a decimal int64.
+int64_t parse_counter(const std::string& value);
 // Where one frame's payload lies in a log: no copies, so reading N frames allocates once.
 struct FrameSpan {
   int rank;
   size_t start;
   size_t size;
 };
-std::vector<FrameSpan> frame_spans(const std::string& log);
-std::vector<std::pair<int, std::string>> parse_frames(const std::string& log);
-std::set<int> parse_names(const std::string& log);
-// A published all_sum total: -?[0-9]+ within int64 (twin of keys.parse_total); nullopt otherwise.
+// world_size < 0: no range check on ranks.
+std::vector<FrameSpan> frame_spans(const std::string& log, int world_size = -1);
+std::vector<std::pair<int, std::string>> parse_frames(const std::string& log, int world_size = -1);
+std::set<int> parse_names(const std::string& log, int world_size = -1);
+// A published all_sum total: a decimal int64; nullopt otherwise.
 std::optional<int64_t> parse_total(const std::string& value);
 
 } // namespace torch_ctrl::keys

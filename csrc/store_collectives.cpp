@@ -28,6 +28,17 @@ std::string error_text(const std::exception& exc) {
   return one_line(exc.what());
 }
 
+// decoder() on what was read from `key`; a value torch_ctrl could not have written there is a
+// one-line CollectiveError naming the key and what was wrong (twin of _decode in Python).
+template <typename F>
+auto decode(const Op& op, const std::string& key, F decoder) -> decltype(decoder()) {
+  try {
+    return decoder();
+  } catch (const keys::DecodeError& exc) {
+    throw CollectiveError(op.name, op.label, key + ": " + exc.what());
+  }
+}
+
 bool is_digits(const std::string& s) {
   size_t i = (!s.empty() && s[0] == '-') ? 1 : 0;
   return i < s.size() && std::all_of(s.begin() + i, s.end(), [](unsigned char c) { return std::isdigit(c); });
@@ -331,13 +342,20 @@ std::string StoreCollectives::arrive(const Op& op, Lane& lane, const std::functi
         // together: trust the counter, not the return (and throw while still blocked, so
         // this rank's NAMES entry stays for the others).
         auto value = lane.peek(counter);
-        if (value && is_digits(*value) && std::stoll(*value) < world_) {
+        if (value && decode(op, counter, [&] { return K::parse_counter(*value); }) < world_) {
           throw std::runtime_error("barrier timeout");
         }
       }
       return "";
     }
-    if (lane.add(counter, 1) == world_) {
+    int64_t count = lane.add(counter, 1);
+    if (count > world_) {
+      throw CollectiveError(
+          op.name,
+          op.label,
+          std::to_string(count) + " arrivals in a group of " + std::to_string(world_) + ": " + K::kCollision);
+    }
+    if (count == world_) {
       std::string payload = publish ? publish() : "";
       lane.set(op.key(K::kDone), std::string(1, K::kTagData) + payload);
       return payload;
@@ -368,12 +386,10 @@ Gathered StoreCollectives::exchange(const Op& op, const std::string& payload) {
     arrive(op, *lane);
     const std::string& log = out.storage.emplace_back(lane->peek(log_key).value_or(""));
     // N frames per rank, so N^2 per op over the group: views into the log, no copy per frame.
-    for (const auto& f : K::frame_spans(log)) {
+    auto spans = decode(op, log_key, [&] { return K::frame_spans(log, world_); });
+    for (const auto& f : spans) {
       if (f.rank < 0) {
         raise_abort(op, log.substr(f.start, f.size));
-      }
-      if (f.rank >= world_ || seen[f.rank]) {
-        continue;
       }
       if (f.size > 0 && log[f.start] == K::kTagData) {  // the common case: no chunk key to build
         out.values[f.rank] = std::string_view(log).substr(f.start + 1, f.size - 1);
@@ -480,14 +496,11 @@ std::pair<std::string, std::vector<std::string>> StoreCollectives::untag(
   }
   if (!value.empty() && value[0] == K::kTagChunks) {
     std::vector<std::string> names;
-    for (size_t i = 0, n = K::chunk_count(value); i < n; ++i) {
+    for (size_t i = 0, n = decode(op, key, [&] { return K::chunk_count(value); }); i < n; ++i) {
       names.push_back(K::chunk_key(key, i));
     }
-    std::string payload;
-    for (const auto& part : lane.multi_get(names, std::max(op.left(), 1.0))) {
-      payload += part;
-    }
-    return {payload, names};
+    auto parts = lane.multi_get(names, std::max(op.left(), 1.0));
+    return {decode(op, key, [&] { return K::join_chunks(parts); }), names};
   }
   if (!value.empty() && value[0] == K::kTagAbort) {
     raise_abort(op, value.substr(1));
@@ -501,8 +514,8 @@ std::optional<std::string> StoreCollectives::until_counted(const Op& op, Lane& l
   // until the count is complete, the group is aborted, or the deadline passes.
   std::string key = op.key(K::kArrive);
   auto counter = lane.peek(key);
-  auto short_of = [this](const std::optional<std::string>& value) {
-    return value && is_digits(*value) && std::stoll(*value) < world_;
+  auto short_of = [this, &op, &key](const std::optional<std::string>& value) {
+    return value && decode(op, key, [&] { return K::parse_counter(*value); }) < world_;
   };
   if (!short_of(counter)) {
     return counter;
@@ -524,7 +537,7 @@ std::optional<std::string> StoreCollectives::until_counted(const Op& op, Lane& l
 }
 
 void StoreCollectives::check_counter(const Op& op, const std::optional<std::string>& counter) {
-  if (counter && is_digits(*counter) && std::stoll(*counter) >= K::kAbortBias) {
+  if (counter && decode(op, op.key(K::kArrive), [&] { return K::parse_counter(*counter); }) >= K::kAbortBias) {
     std::optional<std::string> notice;
     {
       LaneGuard lane(*lanes_);
@@ -539,12 +552,15 @@ void StoreCollectives::raise_abort(const Op& op, const std::string& notice) {
   size_t colon = notice.find(':');
   std::string rank = notice.substr(0, colon);
   std::string reason = colon == std::string::npos ? "" : notice.substr(colon + 1);
-  throw CollectiveAborted(op.name, op.label, is_digits(rank) ? std::stoi(rank) : -1, reason);
+  throw CollectiveAborted(op.name, op.label, K::notice_rank(rank), reason);
 }
 
 // ------------------------------------------------------------------- diagnostics
 
 void StoreCollectives::failure(const Op& op, const std::exception& exc) {
+  if (const auto* already = dynamic_cast<const CollectiveError*>(&exc)) {
+    throw *already;  // already says what happened (e.g. a value torch_ctrl could not have written)
+  }
   if (auto notice = watcher_->notice()) {
     raise_abort(op, *notice);
   }
@@ -574,17 +590,17 @@ void StoreCollectives::timeout(const Op& op, Lane& lane) {
   if (op.name == "gather_recv" || (op.name == "all_gather" && !lane.native_barrier)) {
     present = present_slots(op, lane);
   } else if (exchange && lane.native_barrier) {
-    for (const auto& [r, v] : K::parse_frames(lane.peek(op.key(K::kLog)).value_or(""))) {
+    for (const auto& [r, v] : K::parse_frames(lane.peek(op.key(K::kLog)).value_or(""), world_)) {
       if (r >= 0) {
         present.insert(r);
       }
     }
   } else {  // barrier
     lane.append(op.key(K::kNames), std::to_string(rank_) + ",");
-    present = K::parse_names(lane.peek(op.key(K::kNames)).value_or(""));
+    present = K::parse_names(lane.peek(op.key(K::kNames)).value_or(""), world_);
     auto counter = lane.peek(op.key(K::kArrive));
-    arrived = counter && is_digits(*counter) ? static_cast<int>(std::min<int64_t>(std::stoll(*counter), world_))
-                                             : static_cast<int>(present.size());
+    arrived = counter ? static_cast<int>(std::min<int64_t>(K::parse_counter(*counter), world_))
+                      : static_cast<int>(present.size());
   }
   present.insert(rank_);
   if (!arrived) {
@@ -609,8 +625,9 @@ std::set<int> StoreCollectives::present_slots(const Op& op, Lane& lane) {
         continue;
       }
       std::string tail = name.substr(at + prefix.size());
-      if (is_digits(tail) && tail[0] != '-') {
-        found.insert(std::stoi(tail));
+      auto rank = K::parse_total(tail);  // a decimal int64; only ranks of the group count
+      if (rank && *rank < world_ && tail[0] != '-') {
+        found.insert(static_cast<int>(*rank));
       }
     }
     return found;
@@ -670,7 +687,7 @@ void StoreCollectives::delete_when_full(const Op& op) {
     double pause = 0.01;
     while (true) {
       auto value = lane.peek(counter);
-      if (!value || (is_digits(*value) && std::stoll(*value) >= world)) {
+      if (!value || K::parse_counter(*value) >= world) {  // garbage: DecodeError ends the task
         break;
       }
       if (std::chrono::steady_clock::now() > deadline) {

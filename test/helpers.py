@@ -20,6 +20,7 @@ from torch_ctrl import PyStoreCollectives
 CppStoreCollectives = torch_ctrl.StoreCollectives if torch_ctrl.backend() == "cpp" else None
 
 HOST = "127.0.0.1"
+_CONNECT = threading.Lock()
 
 
 class DictStore(dist.Store):
@@ -106,7 +107,12 @@ class Stores:
         self.admin = self.client(-1)
 
     def client(self, rank: int) -> dist.Store:
-        """A store handle for one rank (its own connection where the kind has them)."""
+        """A store handle for one rank (its own connection where the kind has them). Made one
+        at a time: torch 2.6 aborts when threads construct TCPStore clients concurrently."""
+        with _CONNECT:
+            return self._client(rank)
+
+    def _client(self, rank: int) -> dist.Store:
         if self.kind in ("tcp", "tcp_nolibuv"):
             return dist.TCPStore(HOST, self.port, is_master=False, use_libuv=self.kind == "tcp")
         if self.kind == "prefix":

@@ -119,8 +119,9 @@ def abort_key(world_size: int) -> str:
 
 def parse_notice(notice: bytes) -> tuple[int, str]:
     """``(rank, reason)`` of an abort notice; rank -1 when unreadable."""
-    rank, _, reason = notice.decode("utf-8", "replace").partition(":")
-    return (int(rank) if rank.lstrip("-").isdigit() else -1), reason
+    head, _, tail = notice.partition(b":")
+    rank = _int64(head)
+    return (rank if rank is not None and -1 <= rank < (1 << 31) else -1), tail.decode("utf-8", "replace")
 
 
 def chunk_key(key: str, index: int) -> str:
@@ -141,44 +142,125 @@ def pack(key: str, payload: bytes) -> tuple[bytes, list[tuple[str, bytes]]]:
     return TAG_CHUNKS + str(len(chunks)).encode(), chunks
 
 
-def chunk_count(value: bytes) -> int:
-    """Number of chunks a ``TAG_CHUNKS`` value refers to."""
-    return int(value[1:])
-
-
 def frame(rank: int, payload: bytes) -> bytes:
     """One log entry: ``b"{rank}:{len}:" + payload``; rank -1 marks an abort notice."""
     return b"%d:%d:" % (rank, len(payload)) + payload
 
 
-def parse_frames(log: bytes) -> list[tuple[int, bytes]]:
-    """Split a log into ``(rank, payload)`` entries, in append order."""
+# ---------------------------------------------------------------------------- decoding
+# Everything read back from the store is decoded here, and checked before anything is
+# allocated from it: a value torch_ctrl could not have written (a buggy or hostile client,
+# another group on the same keys) is a DecodeError, never a huge allocation or silently wrong
+# data. ``csrc/keys.cpp`` applies the same rules; test/test_decode.py fuzzes the twins against
+# each other through ``decode()`` and ``torch_ctrl._C._decode``: the same bytes give the same
+# value or the same error message.
+
+MAX_CHUNKS = 4096  # a chunked payload is at most MAX_CHUNKS * CHUNK bytes (16 GiB)
+BAD_VALUE = "unexpected value in the store (not written by torch_ctrl?)"
+COLLISION = "another group uses the same store and keys (give each group its own PrefixStore)"
+_INT64 = re.compile(rb"-?[0-9]{1,19}")
+_SIZE = re.compile(rb"[0-9]{1,20}")
+
+
+class DecodeError(ValueError):
+    """A value read from the store that torch_ctrl could not have written; the message says what."""
+
+
+def _int64(text: bytes) -> int | None:
+    if _INT64.fullmatch(text):
+        value = int(text)
+        if -(1 << 63) <= value < (1 << 63):
+            return value
+    return None
+
+
+def chunk_count(value: bytes) -> int:
+    """Number of chunks a ``TAG_CHUNKS`` value ``b"C{n}"`` refers to: ``2 <= n <= MAX_CHUNKS``
+    (one chunk would have been stored inline)."""
+    digits = value[1:]
+    if _SIZE.fullmatch(digits) and len(digits) <= 5 and 2 <= int(digits) <= MAX_CHUNKS:
+        return int(digits)
+    raise DecodeError("bad chunk count")
+
+
+def join_chunks(parts: list[bytes]) -> bytes:
+    """A chunked payload from its chunks: every chunk but the last is exactly ``CHUNK`` bytes,
+    the last at most that."""
+    if any(len(p) != CHUNK for p in parts[:-1]) or (parts and not 0 < len(parts[-1]) <= CHUNK):
+        raise DecodeError("bad chunk size")
+    return b"".join(parts)
+
+
+def parse_counter(value: bytes) -> int:
+    """A counter written by the store's ``add``: a decimal int64."""
+    number = _int64(value)
+    if number is None:
+        raise DecodeError("bad counter")
+    return number
+
+
+def parse_total(value: bytes, error: Callable[[], Exception]) -> int:
+    """A published all_sum total: a decimal int64 (the C++ twin's ``from_chars`` rule);
+    anything else raises ``error()``."""
+    number = _int64(value)
+    if number is None:
+        raise error()
+    return number
+
+
+def parse_frames(log: bytes, world_size: int | None = None) -> list[tuple[int, bytes]]:
+    """Split a log into ``(rank, payload)`` entries, in append order. Each frame is
+    ``{rank}:{size}:{payload}`` with a decimal rank (-1 for an abort notice, else in
+    ``[0, world_size)`` when given) and a size within the bytes left; a rank logged twice means
+    another group writes the same keys."""
     out: list[tuple[int, bytes]] = []
+    seen: set[int] = set()
     pos, end = 0, len(log)
     while pos < end:
-        c1 = log.index(b":", pos)
-        c2 = log.index(b":", c1 + 1)
-        rank, size = int(log[pos:c1]), int(log[c1 + 1 : c2])
+        c1 = log.find(b":", pos)
+        c2 = log.find(b":", c1 + 1) if c1 >= 0 else -1
+        rank = _int64(log[pos:c1]) if c2 >= 0 else None
+        size_text = log[c1 + 1 : c2]
+        if rank is None or not _SIZE.fullmatch(size_text) or int(size_text) > end - (c2 + 1):
+            raise DecodeError("malformed log entry")
+        if rank != -1 and (rank < 0 or (world_size is not None and rank >= world_size)):
+            raise DecodeError(f"frame of rank {rank} in a group of {world_size}")
+        if rank >= 0:
+            if rank in seen:
+                raise DecodeError(f"two frames of rank {rank}: {COLLISION}")
+            seen.add(rank)
         start = c2 + 1
+        size = int(size_text)
         out.append((rank, bytes(log[start : start + size])))
         pos = start + size
     return out
 
 
-_DECIMAL = re.compile(rb"-?[0-9]{1,19}")
-BAD_VALUE = "unexpected value in the store (not written by torch_ctrl?)"
+def parse_names(log: bytes, world_size: int | None = None) -> set[int]:
+    """Ranks listed in a NAMES log (``b"0,3,"``); entries that are not a rank of the group are
+    ignored (the log only names missing ranks in errors)."""
+    out = set()
+    for item in log.split(b","):
+        rank = _int64(item) if item else None
+        if rank is not None and rank >= 0 and (world_size is None or rank < world_size):
+            out.add(rank)
+    return out
 
 
-def parse_total(value: bytes, error: Callable[[], Exception]) -> int:
-    """A published all_sum total: ``-?[0-9]+`` within int64 (the C++ twin's ``from_chars``
-    rule); anything else raises ``error()``."""
-    if _DECIMAL.fullmatch(value):
-        total = int(value)
-        if -(1 << 63) <= total < (1 << 63):
-            return total
-    raise error()
-
-
-def parse_names(log: bytes) -> set[int]:
-    """Ranks listed in a NAMES log (``b"0,3,"``)."""
-    return {int(x) for x in log.split(b",") if x}
+def decode(kind: str, data: bytes, world_size: int) -> object:
+    """One decoder by name, for the twin fuzz tests: ``chunks``, ``counter``, ``total``,
+    ``frames`` or ``names``; raises DecodeError like the decoder itself."""
+    if kind == "chunks":
+        return chunk_count(data)
+    if kind == "counter":
+        return parse_counter(data)
+    if kind == "chunk_sizes":  # data: the sizes, as decimal lines (the chunks themselves are big)
+        sizes = [int(x) for x in data.split()] if data.strip() else []
+        return len(join_chunks([b"x" * n for n in sizes]))
+    if kind == "total":
+        return parse_total(data, lambda: DecodeError(BAD_VALUE))
+    if kind == "frames":
+        return parse_frames(data, world_size)
+    if kind == "names":
+        return sorted(parse_names(data, world_size))
+    raise ValueError(f"unknown decoder {kind!r}")

@@ -100,9 +100,21 @@ def chain_prefix(store: dist.Store) -> str:
     return found[0][: -len(probe)]
 
 
+# torch 2.6's TCPStore constructor registers its Python object without holding the GIL: two
+# threads constructing clients at once can corrupt pybind11's registry (the process aborts
+# with "Tried to deallocate unregistered instance"). Those torches have no clone(), so lanes
+# construct clients there: one at a time.
+_CONNECT = threading.Lock()
+
+
 def new_client(store: dist.TCPStore) -> dist.TCPStore:
     """A new client of ``store``'s server (same host, port, backend and timeout): a lane
     where this torch has no ``clone()``."""
+    with _CONNECT:
+        return _tcp_client(store)
+
+
+def _tcp_client(store: dist.TCPStore) -> dist.TCPStore:
     return dist.TCPStore(
         store.host,
         store.port,

@@ -47,6 +47,9 @@ def _check_extension() -> type:
         info = build_info()
         why = info["reason"] if info["status"] not in ("built", "unknown") else "torch_ctrl._C is not built"
         raise ExtensionUnavailable(f"the C++ extension was not built: {why}")
+    info = build_info()
+    if info["status"] == "failed":  # an extension left from an earlier build would be stale
+        raise ExtensionUnavailable(f"the C++ extension was not rebuilt: {info['reason']}")
     from . import _C  # type: ignore[attr-defined]
 
     built_for = getattr(_C, "_torch_version", "unknown")

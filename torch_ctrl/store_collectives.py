@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
 
@@ -32,6 +32,7 @@ from .base import (
     wrap_int64,
 )
 from .errors import (
+    CollectiveError,
     aborted_error,
     collective_error,
     key_reused_error,
@@ -40,6 +41,8 @@ from .errors import (
 )
 from .lanes import Borrowed, Lane, Lanes
 from .watcher import Watcher
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -316,10 +319,14 @@ class PyStoreCollectives(ControlCollectives):
                         # time out together: trust the counter, not the return (and raise
                         # while still blocked, so this rank's NAMES entry stays for the others).
                         value = lane.peek(counter)
-                        if value is not None and int(value) < self._world:
+                        if value is not None and self._decode(op, counter, K.parse_counter, value) < self._world:
                             raise TimeoutError("barrier timeout")
                 return b""
-            if lane.add(counter, 1) == self._world:
+            count = lane.add(counter, 1)
+            if count > self._world:
+                detail = f"{count} arrivals in a group of {self._world}: {K.COLLISION}"
+                raise collective_error(op.name, op.label, detail)
+            if count == self._world:
                 payload = publish() if publish is not None else b""
                 lane.set(op.key(K.DONE), K.TAG_DATA + payload)
                 return payload
@@ -345,7 +352,7 @@ class PyStoreCollectives(ControlCollectives):
             lane.append(log_key, K.frame(self._rank, self._stage(lane, K.frame_key(log_key, self._rank), payload)))
             self._arrive(op, lane)
             log = lane.peek(log_key) or b""
-            for rank, head in K.parse_frames(log):
+            for rank, head in self._decode(op, log_key, K.parse_frames, log, self._world):
                 if rank < 0:
                     self._raise_abort(op, head)
                 if head[:1] == K.TAG_DATA:  # the common case: no chunk key to build
@@ -411,11 +418,21 @@ class PyStoreCollectives(ControlCollectives):
         if value[:1] == K.TAG_DATA:
             return value[1:], []
         if value[:1] == K.TAG_CHUNKS:
-            names = [K.chunk_key(key, i) for i in range(K.chunk_count(value))]
-            return b"".join(lane.multi_get(names, max(op.left(), 1.0))), names
+            names = [K.chunk_key(key, i) for i in range(self._decode(op, key, K.chunk_count, value))]
+            parts = lane.multi_get(names, max(op.left(), 1.0))
+            return self._decode(op, key, K.join_chunks, parts), names
         if value[:1] == K.TAG_ABORT:
             self._raise_abort(op, value[1:])
         raise collective_error(op.name, op.label, "unexpected value in the store (not written by torch_ctrl?)")
+
+    @staticmethod
+    def _decode(op: _Op, key: str, decoder: Callable[..., T], *args: object) -> T:
+        """``decoder(*args)`` on what was read from ``key``; a value torch_ctrl could not have
+        written there is a one-line CollectiveError naming the key and what was wrong."""
+        try:
+            return decoder(*args)
+        except K.DecodeError as exc:
+            raise collective_error(op.name, op.label, f"{key}: {exc}") from None
 
     @staticmethod
     def _wake_set(keys: list[str]) -> Callable[[Lane, bytes], None]:
@@ -435,11 +452,11 @@ class PyStoreCollectives(ControlCollectives):
         """
         key = op.key(K.ARRIVE)
         counter = lane.peek(key)
-        if counter is None or int(counter) >= self._world:
+        if counter is None or self._decode(op, key, K.parse_counter, counter) >= self._world:
             return counter
         pause = 0.001
         with self._watcher.blocked(op.key(K.NAMES), op.seconds):
-            while counter is not None and int(counter) < self._world:
+            while counter is not None and self._decode(op, key, K.parse_counter, counter) < self._world:
                 if self._watcher.notice is not None:
                     self._raise_abort(op, self._watcher.notice)
                 if op.left() <= 0:
@@ -450,7 +467,7 @@ class PyStoreCollectives(ControlCollectives):
         return counter
 
     def _check_counter(self, op: _Op, counter: bytes | None) -> None:
-        if counter is not None and counter.lstrip(b"-").isdigit() and int(counter) >= K.ABORT_BIAS:
+        if counter is not None and self._decode(op, op.key(K.ARRIVE), K.parse_counter, counter) >= K.ABORT_BIAS:
             with self._lanes.lane() as lane:
                 notice = lane.peek(self._watcher.abort_key)
             self._raise_abort(op, notice or self._watcher.notice or b"-1:")
@@ -467,6 +484,8 @@ class PyStoreCollectives(ControlCollectives):
     # -------------------------------------------------------------- diagnostics
     def _failure(self, op: _Op, exc: BaseException) -> Exception:
         """Turn a store exception into a one-line CollectiveTimeoutError or CollectiveError."""
+        if isinstance(exc, CollectiveError):
+            return exc  # already says what happened (e.g. a value torch_ctrl could not have written)
         if self._watcher.notice is not None:
             return self._aborted(op, self._watcher.notice)
         text = one_line(str(exc))
@@ -485,12 +504,12 @@ class PyStoreCollectives(ControlCollectives):
         if op.name == "gather_recv" or (op.name == "all_gather" and not lane.native_barrier):
             present = self._present_slots(op, lane)
         elif op.name in ("all_gather", "all_sum") and lane.native_barrier:
-            present = {r for r, _ in K.parse_frames(lane.peek(op.key(K.LOG)) or b"") if r >= 0}
+            present = {r for r, _ in K.parse_frames(lane.peek(op.key(K.LOG)) or b"", self._world) if r >= 0}
         else:  # barrier
             lane.append(op.key(K.NAMES), b"%d," % self._rank)
-            present = K.parse_names(lane.peek(op.key(K.NAMES)) or b"")
+            present = K.parse_names(lane.peek(op.key(K.NAMES)) or b"", self._world)
             counter = lane.peek(op.key(K.ARRIVE))
-            arrived = int(counter) if counter is not None else len(present)
+            arrived = K.parse_counter(counter) if counter is not None else len(present)
             present.add(self._rank)
             missing = [r for r in range(self._world) if r not in present]
             return timeout_error(op.name, op.label, op.seconds, self._world, min(arrived, self._world), missing)
@@ -506,7 +525,7 @@ class PyStoreCollectives(ControlCollectives):
             found = set()
             for name in names:
                 tail = name[name.find(prefix) + len(prefix) :] if prefix in name else ""
-                if tail.isdigit():
+                if tail.isascii() and tail.isdigit() and len(tail) <= 19 and int(tail) < self._world:
                     found.add(int(tail))
             return found
         return {r for r in range(self._world) if r != self._rank and lane.store.check([K.rank_slot(op.prefix, r)])}
@@ -548,7 +567,7 @@ class PyStoreCollectives(ControlCollectives):
             pause = 0.01
             while True:
                 value = lane.peek(counter)
-                if value is None or int(value) >= world:
+                if value is None or K.parse_counter(value) >= world:  # garbage: DecodeError ends the task
                     break
                 if time.monotonic() > deadline:
                     return

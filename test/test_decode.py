@@ -1,0 +1,180 @@
+"""Decoding what comes out of the store: bounded, strict, and the same in both twins.
+
+The twins' decoders (``torch_ctrl/keys.py`` and ``csrc/keys.cpp``) are fuzzed against each
+other: for any bytes, the same value or the same error message. Then hostile values written
+into a live group's keys must end the op with one CollectiveError line naming the key, fast
+and without a large allocation, in both implementations.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from helpers import IMPLS, Stores, make, run_ranks
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torch_ctrl
+from torch_ctrl import keys as K
+from torch_ctrl.errors import CollectiveError
+
+HAVE_CPP = torch_ctrl.backend() == "cpp"
+KINDS = ["chunks", "counter", "total", "frames", "names"]
+
+
+def _outcome(fn, *args):  # noqa: ANN001, ANN202
+    try:
+        value = fn(*args)
+    except ValueError as exc:
+        return ("error", str(exc))
+    if isinstance(value, list):
+        value = [tuple(v) if isinstance(v, tuple) else v for v in value]
+    return ("value", value)
+
+
+def _both(kind: str, data: bytes, world: int) -> None:
+    from torch_ctrl import _C
+
+    py = _outcome(K.decode, kind, data, world)
+    cpp = _outcome(_C._decode, kind, data, world)
+    assert py == cpp, (kind, data, world)
+
+
+# Near-valid inputs: the pieces the encoders use, glued in any order.
+_PIECES = st.sampled_from(
+    [b"-1", b"0", b"1", b"7", b"-", b"+", b" ", b"_", b":", b",", b"C", b"D", b"A", b"00", b"3:", b"99999999999"]
+    + [b"9223372036854775807", b"9223372036854775808", b"-9223372036854775808", b"18446744073709551616"]
+)
+_NEAR = st.lists(st.one_of(_PIECES, st.binary(max_size=3)), max_size=12).map(b"".join)
+
+
+@pytest.mark.skipif(not HAVE_CPP, reason="needs the C++ extension")
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(KINDS), st.one_of(st.binary(max_size=40), _NEAR), st.integers(0, 8))
+def test_twins_decode_any_bytes_alike(kind: str, data: bytes, world: int) -> None:
+    _both(kind, data, world)
+
+
+@pytest.mark.skipif(not HAVE_CPP, reason="needs the C++ extension")
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(-3, 9), st.binary(max_size=6)), max_size=6),
+    st.integers(1, 8),
+    st.sampled_from([b"", b"x", b"1:", b"-1:9:"]),
+)
+def test_twins_decode_logs_alike(frames: list[tuple[int, bytes]], world: int, tail: bytes) -> None:
+    """Logs made of real frames (out-of-range, duplicate and abort ranks included), possibly
+    with a torn last entry."""
+    log = b"".join(K.frame(r, p) for r, p in frames) + tail
+    _both("frames", log, world)
+
+
+@pytest.mark.skipif(not HAVE_CPP, reason="needs the C++ extension")
+@given(st.lists(st.integers(0, 3 * K.CHUNK), max_size=4))
+@settings(max_examples=60, deadline=None)
+def test_twins_check_chunk_sizes_alike(sizes: list[int]) -> None:
+    _both("chunk_sizes", " ".join(map(str, sizes)).encode(), 0)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(b"C2", 2), (b"C4096", 4096), (b"C99999999999", None), (b"C-1", None), (b"C1", None), (b"C 3", None)],
+)
+def test_chunk_counts_are_bounded(value: bytes, expected: int | None) -> None:
+    if expected is None:
+        with pytest.raises(K.DecodeError, match="bad chunk count"):
+            K.chunk_count(value)
+    else:
+        assert K.chunk_count(value) == expected
+
+
+@pytest.mark.parametrize("value", [b" 7", b"+7", b"1_0", b"9223372036854775808", b"", b"7 ", b"\xd9\xa3"])
+def test_totals_and_counters_are_strict(value: bytes) -> None:
+    """What Python's int() would take but C++'s from_chars would not is refused by both."""
+    with pytest.raises(K.DecodeError):
+        K.parse_counter(value)
+    with pytest.raises(K.DecodeError):
+        K.decode("total", value, 2)
+
+
+def test_frames_out_of_range_or_twice_are_refused() -> None:
+    with pytest.raises(K.DecodeError, match="frame of rank 5 in a group of 2"):
+        K.parse_frames(K.frame(0, b"Dx") + K.frame(5, b"Dy"), 2)
+    with pytest.raises(K.DecodeError, match="two frames of rank 0: another group uses the same store"):
+        K.parse_frames(K.frame(0, b"Dx") + K.frame(0, b"Dy"), 2)
+    assert K.parse_frames(K.frame(-1, b"0:stop") + K.frame(1, b"Dy"), 2) == [(-1, b"0:stop"), (1, b"Dy")]
+
+
+# --------------------------------------------------------------- hostile values in a live group
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+@pytest.mark.parametrize("kind", ["tcp", "prefix", "hash"])
+@pytest.mark.parametrize("op", ["broadcast_recv", "scatter_recv"])
+@pytest.mark.parametrize("value", [b"C99999999999", b"C-1", b"Zjunk"])
+def test_hostile_slot_value_is_one_line_error(impl: str, kind: str, op: str, value: bytes) -> None:
+    """A 12-byte value that would make a reader allocate without bound is refused at once."""
+    stores = Stores(kind)
+    coll = make(impl, stores.client(1), 1, 2)
+    field = "d" if op == "broadcast_recv" else "r1"
+    raw = stores.client(0)
+    raw.set(f"{K.op_prefix(2, 'hostile', -1)}/{field}", value)
+    with pytest.raises(CollectiveError) as info:
+        getattr(coll, op)("hostile", timeout=20)
+    coll.close()
+    text = str(info.value)
+    assert "\n" not in text and "hostile" in text
+    assert ("bad chunk count" in text) or (K.BAD_VALUE in text), text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+def test_forged_duplicate_frame_is_a_collision_error(impl: str) -> None:
+    """A second frame of rank 0 in an all_gather's log (another group on the same keys, or a
+    forger) is an error naming the collision in both twins, never silently returned."""
+    stores = Stores("tcp")
+    log_key = f"{K.op_prefix(2, 'dup', -1)}/g"
+    stores.client(9).append(log_key, K.frame(0, b"Dforged"))
+
+    def body(rank: int) -> str:
+        coll = make(impl, stores.client(rank), rank, 2)
+        try:
+            coll.all_gather("dup", b"mine", timeout=20)
+            return "returned"
+        except CollectiveError as exc:
+            return str(exc)
+        finally:
+            coll.close()
+
+    texts = run_ranks(2, body)
+    from torch_ctrl import capabilities
+
+    if not capabilities.BARRIER:
+        pytest.skip("the generic path keeps one slot per rank: no log to forge")
+    for text in texts:
+        assert "two frames of rank 0" in text and "another group uses the same store" in text, texts
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+def test_more_arrivals_than_the_world_is_a_collision_error(impl: str) -> None:
+    """Two groups of one world size with the same keys on a generic store: the extra arrival
+    is told that another group uses the same keys (instead of mixing the two groups' data)."""
+    stores = Stores("hash")
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def body(rank: int) -> None:
+        coll = make(impl, stores.client(rank), rank % 2, 2)
+        try:
+            coll.all_sum("same", 1, timeout=5)
+        except CollectiveError as exc:
+            with lock:
+                errors.append(str(exc))
+        finally:
+            coll.close()
+
+    run_ranks(3, body)  # ranks 0 and 1 of group A, rank 0 of group B
+    assert any("arrivals in a group of 2" in e and "another group uses the same store" in e for e in errors), errors
