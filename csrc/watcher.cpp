@@ -29,6 +29,8 @@ struct Watcher::State {
   int rank = 0;
   std::optional<double> heartbeat;
   std::string abort_key;
+  int world = 0;
+  std::string hb_key;  // this rank's
   std::vector<std::string> hb_keys;
   std::vector<Beat> beats;
   std::mutex mutex;
@@ -59,10 +61,10 @@ Watcher::Watcher(std::shared_ptr<Lanes> lanes, int rank, int world_size, std::op
   state_->rank = rank;
   state_->heartbeat = heartbeat;
   state_->abort_key = abort_key_;
-  for (int r = 0; r < world_size; ++r) {
-    state_->hb_keys.push_back(keys::group_key(world_size, "hb/" + std::to_string(r)));
-  }
-  state_->beats.resize(world_size);
+  // Every rank's heartbeat key and last reading are made on the first liveness check (on the
+  // watcher thread), so a large world costs nothing until heartbeats are read.
+  state_->world = world_size;
+  state_->hb_key = keys::group_key(world_size, "hb/" + std::to_string(rank));
   if (heartbeat) {
     std::lock_guard<std::mutex> lock(state_->mutex);
     start_locked();
@@ -204,6 +206,12 @@ void Watcher::poll(State& st, Lane& lane) {
   auto notice = lane.peek(st.abort_key);
   if (!notice && st.heartbeat) {
     auto now = Clock::now();
+    if (st.hb_keys.empty()) {
+      for (int r = 0; r < st.world; ++r) {
+        st.hb_keys.push_back(keys::group_key(st.world, "hb/" + std::to_string(r)));
+      }
+      st.beats.resize(st.world);
+    }
     auto values = lane.peek_many(st.hb_keys);
     for (size_t r = 0; r < values.size(); ++r) {
       Beat& beat = st.beats[r];
@@ -316,7 +324,7 @@ void Watcher::run(std::shared_ptr<State> st) {
       }
     };
     if (do_beat) {
-      safely([&] { lane->add(st->hb_keys[rank], 1); });
+      safely([&] { lane->add(st->hb_key, 1); });
     }
     if (do_poll) {
       safely([&] { poll(*st, *lane); });
@@ -338,7 +346,7 @@ void Watcher::run(std::shared_ptr<State> st) {
     // A closed rank is not dead: drop its heartbeat (peers skip missing ones).
     lock.unlock();
     try {
-      lane->remove(st->hb_keys[st->rank]);
+      lane->remove(st->hb_key);
     } catch (const std::exception&) {
     }
     lock.lock();

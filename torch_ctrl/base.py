@@ -20,6 +20,12 @@ Data = Union[bytes, bytearray, memoryview, str]
 Timeout = Union[timedelta, int, float]
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+# The longest timeout: larger ones (inf, timedelta.max) mean this. Store clients wait with
+# poll()'s 32-bit millisecond timeouts (at most 24.8 days); 10 days stays well inside them.
+MAX_TIMEOUT = 10 * 24 * 3600.0
+MIN_HEARTBEAT = 0.01  # seconds: 100 writes a second per rank at most
+MAX_WORLD_SIZE = (1 << 31) - 1  # ranks are 32-bit in the C++ implementation
+MAX_HEARTBEAT = 3600.0
 
 # An abort reason is cut to this many bytes of UTF-8 (marker included) before it is written:
 # it travels in every peer's error message, and TCPStore cannot carry a value over 8 MiB.
@@ -340,8 +346,8 @@ def check_init(store: object, rank: object, world_size: object) -> tuple[int, in
     if not isinstance(store, dist.Store):
         raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
     rank_i, world_i = _int("rank", rank), _int("world_size", world_size)
-    if world_i < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_i}")
+    if not 1 <= world_i <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be in [1, {MAX_WORLD_SIZE}], got {world_i}")
     if not 0 <= rank_i < world_i:
         raise ValueError(f"rank must be in [0, {world_i}), got {rank_i}")
     return rank_i, world_i
@@ -362,12 +368,17 @@ def check_reason(reason: object) -> str:
 
 
 def check_heartbeat(heartbeat_interval: object) -> float | None:
-    """``None`` (liveness off) or a positive interval in seconds."""
+    """``None`` (liveness off) or an interval in seconds within
+    [:data:`MIN_HEARTBEAT`, :data:`MAX_HEARTBEAT`]: shorter ones flood the store with
+    writes, longer ones detect nothing in useful time."""
     if heartbeat_interval is None:
         return None
-    seconds = to_seconds(heartbeat_interval)
-    if seconds <= 0:
-        raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval!r}")
+    seconds = to_seconds(heartbeat_interval, "heartbeat_interval", clamp=False)
+    if not MIN_HEARTBEAT <= seconds <= MAX_HEARTBEAT:
+        raise ValueError(
+            f"heartbeat_interval must be between {MIN_HEARTBEAT:g} and {MAX_HEARTBEAT:g} seconds, "
+            f"got {heartbeat_interval!r}"
+        )
     return seconds
 
 
@@ -421,17 +432,19 @@ def to_int64(data: object) -> int:
     return value
 
 
-def to_seconds(timeout: object) -> float:
-    """timedelta or int/float seconds -> seconds (>= 0)."""
+def to_seconds(timeout: object, name: str = "timeout", clamp: bool = True) -> float:
+    """timedelta or int/float seconds -> seconds (>= 0). With ``clamp``, anything above
+    :data:`MAX_TIMEOUT` (``inf``, ``1e15``, ``timedelta.max``: "wait as long as possible")
+    is :data:`MAX_TIMEOUT`, the same in both implementations."""
     if isinstance(timeout, timedelta):
         secs = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         secs = float(timeout)
     else:
-        raise TypeError(f"timeout must be a timedelta or seconds, got {type(timeout).__name__}")
+        raise TypeError(f"{name} must be a timedelta or seconds, got {type(timeout).__name__}")
     if secs != secs or secs < 0:
-        raise ValueError(f"timeout must be >= 0, got {timeout!r}")
-    return secs
+        raise ValueError(f"{name} must be >= 0, got {timeout!r}")
+    return min(secs, MAX_TIMEOUT) if clamp else secs
 
 
 def wrap_int64(value: int) -> int:

@@ -118,8 +118,11 @@ class Watcher:
         self._world = world_size
         self._heartbeat = heartbeat
         self.abort_key = K.abort_key(world_size)
-        self._hb_keys = [K.group_key(world_size, f"hb/{r}") for r in range(world_size)]
-        self._beats = [_Beat() for _ in range(world_size)]
+        self._hb_key = K.group_key(world_size, f"hb/{rank}")
+        # Every rank's heartbeat key and last reading: made on the first liveness check, so a
+        # large world costs nothing until heartbeats are read (O(1) memory in the constructor).
+        self._hb_keys: list[str] = []
+        self._beats: list[_Beat] = []
         self._cv = threading.Condition()
         self._tasks: deque[Task] = deque()
         self._blocked: dict[int, _Blocked] = {}
@@ -274,7 +277,7 @@ class Watcher:
         while True:
             tasks, names, wake, poll, beat = self._next_work()
             if beat:
-                self._safely(lambda ln: ln.add(self._hb_keys[self._rank], 1), lane)
+                self._safely(lambda ln: ln.add(self._hb_key, 1), lane)
             if poll:
                 self._safely(self._poll, lane)
             for key in names:
@@ -292,7 +295,7 @@ class Watcher:
                     break
         if self._heartbeat is not None:
             # A closed rank is not dead: drop its heartbeat (peers skip missing ones).
-            self._safely(lambda ln: ln.delete(self._hb_keys[self._rank]), lane)
+            self._safely(lambda ln: ln.delete(self._hb_key), lane)
         with self._cv:
             self._running = False
             self._cv.notify_all()
@@ -312,6 +315,9 @@ class Watcher:
     def _find_dead(self, lane: Lane) -> tuple[int, float] | None:
         """A rank whose heartbeat has not moved for DEAD_AFTER intervals, if any."""
         assert self._heartbeat is not None
+        if not self._hb_keys:
+            self._hb_keys = [K.group_key(self._world, f"hb/{r}") for r in range(self._world)]
+            self._beats = [_Beat() for _ in range(self._world)]
         now = time.monotonic()
         values = lane.peek_many(self._hb_keys)
         for rank, value in enumerate(values):
