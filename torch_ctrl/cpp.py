@@ -7,8 +7,11 @@ the calls then run in C++ with the GIL released.
 from __future__ import annotations
 
 import atexit
+import os
+import sys
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch  # noqa: F401 - loads libtorch before the extension
 import torch.distributed as dist
@@ -28,15 +31,22 @@ from .base import (
     to_int64,
     to_seconds,
 )
+from .errors import forked_error
 
 _LIVE: weakref.WeakSet[CppStoreCollectives] = weakref.WeakSet()
+
+
+# Implementations inherited by a forked child: never closed or destroyed there (their
+# destructor would join a watcher thread that only exists in the parent).
+_ORPHANS: list[object] = []
 
 
 @atexit.register
 def _close_all() -> None:
     """Stop background threads before the interpreter finalizes (they may call into Python stores)."""
     for coll in list(_LIVE):
-        coll.close(flush_timeout=2.0)
+        if getattr(coll, "_owner", None) == os.getpid():
+            coll.close(flush_timeout=2.0)
 
 
 class CppStoreCollectives(ControlCollectives):
@@ -62,18 +72,27 @@ class CppStoreCollectives(ControlCollectives):
         rank, world_size = check_init(store, rank, world_size)
         heartbeat = check_heartbeat(heartbeat_interval)
         self._store = store
-        self._impl = _C.StoreCollectives(store, rank, world_size, heartbeat)
+        self._owner = os.getpid()
+        self._rank, self._world = rank, world_size
+        self._native = _C.StoreCollectives(store, rank, world_size, heartbeat)
         _LIVE.add(self)
+
+    @property
+    def _impl(self) -> Any:
+        """The C++ object, in the process that made it; a forked child gets one error line."""
+        if os.getpid() != self._owner:
+            raise forked_error(sys._getframe(1).f_code.co_name, self._owner, os.getpid())
+        return self._native
 
     @property
     def rank(self) -> int:
         """This instance's rank."""
-        return self._impl.rank
+        return self._rank
 
     @property
     def world_size(self) -> int:
         """Number of ranks in the group."""
-        return self._impl.world_size
+        return self._world
 
     def barrier(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT, block: bool = True) -> None:
         self._impl.barrier(check_key(key), to_seconds(timeout), bool(block))
@@ -124,10 +143,21 @@ class CppStoreCollectives(ControlCollectives):
 
     def close(self, flush_timeout: float = 5.0) -> None:
         """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections."""
-        self._impl.close(float(flush_timeout))
+        if os.getpid() != self._owner:
+            self._orphan()  # a forked child: the connections and thread are the parent's
+            return
+        self._native.close(float(flush_timeout))
+
+    def _orphan(self) -> None:
+        native = self.__dict__.pop("_native", None)
+        if native is not None:
+            _ORPHANS.append(native)
 
     def __del__(self) -> None:
-        impl = getattr(self, "_impl", None)
+        if os.getpid() != getattr(self, "_owner", None):
+            self._orphan()
+            return
+        impl = getattr(self, "_native", None)
         if impl is not None:
             try:
                 impl.close(0.0)  # the watcher drains its queue on its own

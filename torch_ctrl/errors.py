@@ -145,3 +145,12 @@ def collective_error(op: str, key: str, detail: str) -> CollectiveError:
 def key_reused_error(op: str, key: str) -> KeyReusedError:
     """An explicit key used twice on one instance."""
     return KeyReusedError(f"{op}: key {key!r} has already been used on this instance")
+
+
+def forked_error(op: str, owner: int, pid: int) -> CollectiveError:
+    """An instance used in a process forked from the one that made it: its connections and
+    background thread belong to the parent."""
+    return CollectiveError(
+        f"{op}: this instance was created in process {owner} and cannot be used in the forked child {pid};"
+        " create a new StoreCollectives in the child"
+    )

@@ -7,6 +7,7 @@ two side by side.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from .errors import (
     CollectiveError,
     aborted_error,
     collective_error,
+    forked_error,
     key_reused_error,
     one_line,
     timeout_error,
@@ -96,6 +98,7 @@ class PyStoreCollectives(ControlCollectives):
     ) -> None:
         self._rank, self._world = check_init(store, rank, world_size)
         heartbeat = check_heartbeat(heartbeat_interval)
+        self._owner = os.getpid()  # a forked child must not use the parent's lanes and thread
         self._store = store
         self._lanes = Lanes(store)
         self._lock = threading.Lock()
@@ -233,6 +236,7 @@ class PyStoreCollectives(ControlCollectives):
         this rank. Peers blocked in any collective raise ``CollectiveAbortedError`` within a
         second; later collectives raise it at once. Idempotent: the first reason wins."""
         reason = check_reason(reason)  # a str, cut to MAX_REASON_BYTES like the C++ twin's
+        self._check_process("abort")
         mine = b"%d:%s" % (self._rank, reason.encode("utf-8", "replace"))
         with self._lanes.lane() as lane:
             notice = bytes(lane.store.compare_set(self._watcher.abort_key, b"", mine))
@@ -245,12 +249,14 @@ class PyStoreCollectives(ControlCollectives):
 
             coll.close(flush_timeout=1.0)
         """
+        if os.getpid() != self._owner:
+            return  # a forked child: the connections and thread are the parent's (its locks may be held)
         self._watcher.close(flush_timeout)
         self._lanes.close()
 
     def __del__(self) -> None:
         watcher = getattr(self, "_watcher", None)
-        if watcher is not None:
+        if watcher is not None and os.getpid() == getattr(self, "_owner", None):
             watcher.close(0.0)  # the thread drains its queue on its own
 
     def __repr__(self) -> str:
@@ -259,6 +265,7 @@ class PyStoreCollectives(ControlCollectives):
     # ----------------------------------------------------------------- internals
     def _begin(self, name: str, key: object, timeout: object) -> _Op:
         """Check the key and timeout, reserve the key, and make the op's prefix."""
+        self._check_process(name)
         user_key = check_key(key)
         seconds = to_seconds(timeout)
         if self._watcher.notice is not None:
@@ -275,6 +282,10 @@ class PyStoreCollectives(ControlCollectives):
         label = user_key if user_key is not None else f"#{seq}"
         prefix = K.op_prefix(self._world, user_key, seq)
         return _Op(name, label, prefix, seconds, time.monotonic() + seconds)
+
+    def _check_process(self, name: str) -> None:
+        if os.getpid() != self._owner:
+            raise forked_error(name, self._owner, os.getpid())
 
     def _lane(self, op: _Op) -> Borrowed:
         """``with self._lane(op) as lane``: borrow a lane for ``op`` (dropped, not reused, after
