@@ -74,6 +74,8 @@ sys.modules["torch_ctrl._C"] = None  # the extension fails to import
 
 
 def test_fallback_warns_once_and_works() -> None:
+    if torch_ctrl.loader.build_info()["status"] == "disabled":
+        pytest.skip("a deliberate pure-Python install does not warn")
     out = _python(
         BREAK_EXTENSION
         + """
@@ -198,7 +200,8 @@ def _import_from(target: Path, tmp_path: Path) -> subprocess.CompletedProcess:
         coll = torch_ctrl.StoreCollectives(dist.HashStore(), 0, 1)
         print(torch_ctrl.backend(), coll.all_sum("k", 2))
         for w in caught:
-            print("WARNING", w.message)
+            if "torch_ctrl" in str(w.message):  # not torch's own (e.g. "Failed to initialize NumPy")
+                print("WARNING", w.message)
         """,
         # -S: no .pth files, so an editable install of the source tree cannot leak in
         {"PYTHONPATH": os.pathsep.join([str(target), site]), "TORCH_CTRL_IMPL": "auto"},
