@@ -251,6 +251,10 @@ std::unique_ptr<Lane> Lanes::acquire() {
       return lane;
     }
   }
+  return open();
+}
+
+std::unique_ptr<Lane> Lanes::open() {
   auto lane = std::make_unique<Lane>();
   if (!owned_) {
     lane->store = store_;

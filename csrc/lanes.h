@@ -62,6 +62,8 @@ class Lanes {
  public:
   explicit Lanes(c10::intrusive_ptr<c10d::Store> store);
   std::unique_ptr<Lane> acquire();
+  // A new lane (a new connection where lanes are owned), never one from the pool.
+  std::unique_ptr<Lane> open();
   void release(std::unique_ptr<Lane> lane);
   void close();
   bool owned() const { return owned_; }

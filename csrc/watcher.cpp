@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cstdio>
 
 namespace torch_ctrl {
@@ -202,6 +203,21 @@ Watcher::Blocked::~Blocked() {
   }
 }
 
+bool connection_lost(const std::exception& exc) {
+  // Twin of watcher.connection_lost: the store's connection is gone (server died or restarted).
+  if (dynamic_cast<const c10::DistNetworkError*>(&exc) != nullptr) {
+    return true;
+  }
+  std::string text = exc.what();
+  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
+  for (const char* t : {"connection", "broken pipe", "failed to recv", "socket"}) {
+    if (text.find(t) != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
 void Watcher::poll(State& st, Lane& lane) {
   auto notice = lane.peek(st.abort_key);
   if (!notice && st.heartbeat) {
@@ -316,11 +332,13 @@ void Watcher::run(std::shared_ptr<State> st) {
     int rank = st->rank;
     st->cv.notify_all();
     lock.unlock();
+    bool broken = false;
     auto safely = [&](const std::function<void()>& fn) {
       try {
         fn();
-      } catch (const std::exception&) {
-        // background work is best effort
+      } catch (const std::exception& exc) {
+        // background work is best effort; a lost connection is replaced below
+        broken = broken || (lane->owned && connection_lost(exc));
       }
     };
     if (do_beat) {
@@ -337,6 +355,14 @@ void Watcher::run(std::shared_ptr<State> st) {
     }
     for (auto& task : tasks) {
       safely([&] { task(*lane); });
+    }
+    if (broken) {
+      // The server restarted or dropped us: go on with a new connection (not a pooled lane:
+      // those may be as dead as ours); while none can be opened, keep trying on each wake.
+      try {
+        lane = st->lanes->open();
+      } catch (const std::exception&) {
+      }
     }
     lock.lock();
     st->busy = false;

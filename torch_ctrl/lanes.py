@@ -319,9 +319,14 @@ class Lanes:
             self.release(lane)
 
     def acquire(self) -> Lane:
+        """A lane from the pool, or a new one."""
         with self._lock:
             if self._free:
                 return self._free.pop()
+        return self.open()
+
+    def open(self) -> Lane:
+        """A new lane (a new connection where lanes are owned), never one from the pool."""
         if not self.owned:
             handle = self.store
         elif capabilities.CLONE:

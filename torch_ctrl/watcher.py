@@ -29,6 +29,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
+
 from . import keys as K
 from .lanes import Lane, Lanes
 
@@ -109,6 +111,14 @@ class _Beat:
     since: float = field(default_factory=time.monotonic)
 
 
+def connection_lost(exc: BaseException) -> bool:
+    """Whether a store error means the connection is gone (the server died or restarted)."""
+    if isinstance(exc, (dist.DistNetworkError, ConnectionError)):
+        return True
+    text = str(exc).lower()
+    return any(t in text for t in ("connection", "broken pipe", "failed to recv", "socket"))
+
+
 class Watcher:
     """Background cleanup, naming, abort polling and liveness for one collectives instance."""
 
@@ -131,6 +141,7 @@ class Watcher:
         self._running = False  # the thread is alive (set under the lock, by _start and _run)
         self._closed = False
         self._busy = False
+        self._broken = False  # the watcher's connection was lost: reconnect
         self._next_poll = 0.0
         self._next_beat = 0.0
         self._active_until = 0.0
@@ -288,6 +299,7 @@ class Watcher:
                     self._safely(lambda ln, b=blocked, n=notice: b.wake(ln, n), lane)  # type: ignore[misc]
             for task in tasks:
                 self._safely(task, lane)
+            lane = self._healed(lane)
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
@@ -328,9 +340,24 @@ class Watcher:
                 return rank, now - beat.since
         return None
 
-    @staticmethod
-    def _safely(task: Task, lane: Lane) -> None:
+    def _safely(self, task: Task, lane: Lane) -> None:
         try:
             task(lane)
         except Exception as exc:  # noqa: BLE001 - background work is best effort
             log.debug("torch_ctrl watcher task failed: %s", exc)
+            if lane.owned and connection_lost(exc):
+                self._broken = True
+
+    def _healed(self, lane: Lane) -> Lane:
+        """The lane to go on with: a new connection when the last one was lost (the server
+        restarted, or dropped us); the old one while no new one can be opened (tried again
+        on the next wake)."""
+        if not self._broken:
+            return lane
+        try:
+            fresh = self._lanes.open()  # not a pooled lane: those may be as dead as ours
+        except Exception as exc:  # noqa: BLE001 - the server is still gone
+            log.debug("torch_ctrl watcher cannot reconnect yet: %s", exc)
+            return lane
+        self._broken = False
+        return fresh

@@ -1,0 +1,79 @@
+"""A TCPStore server that restarts mid-job: collectives recover on new connections, and so
+does each instance's background work (cleanup, abort polling, naming): keys stay bounded and
+an abort still wakes a blocked peer within a second."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+from helpers import HOST, IMPLS, make, run_ranks
+
+from torch_ctrl.errors import CollectiveAbortedError, CollectiveError
+
+WORLD = 2
+
+
+def _retry(fn, seconds: float = 30.0):  # noqa: ANN001, ANN202
+    """The first op after a restart may meet a pooled connection that died: it fails once,
+    with one line, and the next op (a new key) takes a new connection."""
+    deadline = time.monotonic() + seconds
+    for attempt in range(1000):
+        try:
+            return fn(attempt)
+        except CollectiveError:
+            if time.monotonic() > deadline:
+                raise
+
+
+def _round(colls, tag: str) -> None:  # noqa: ANN001
+    def body(rank: int) -> None:
+        c = colls[rank]
+        c.barrier(f"{tag}/b", timeout=30)
+        assert c.all_sum(f"{tag}/s", rank + 1, timeout=30) == 3
+        assert c.all_gather(f"{tag}/g", b"%d" % rank, timeout=30) == [b"0", b"1"]
+        if rank == 0:
+            c.broadcast_send(f"{tag}/bc", b"x", timeout=30)
+        else:
+            assert c.broadcast_recv(f"{tag}/bc", timeout=30) == b"x"
+
+    run_ranks(WORLD, body)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_background_work_survives_a_server_restart(impl: str) -> None:
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    port = server.port
+    colls = [make(impl, dist.TCPStore(HOST, port, is_master=False), r, WORLD) for r in range(WORLD)]
+    _round(colls, "before")
+    del server  # the server goes away ...
+    server = dist.TCPStore(HOST, port, is_master=True, wait_for_workers=False)  # ... and comes back empty
+    # every rank's first op may meet a dead pooled connection
+    _retry(lambda n: run_ranks(WORLD, lambda r: colls[r].barrier(f"after/first{n}", timeout=10)))
+    for i in range(40):
+        _round(colls, f"after{i}")
+    run_ranks(WORLD, lambda r: colls[r].barrier("settle", timeout=30))
+    deadline = time.monotonic() + 10
+    while server.num_keys() > 20 * WORLD + 20 and time.monotonic() < deadline:
+        time.sleep(0.1)  # cleanup lags a finished op by a watcher tick
+    assert server.num_keys() <= 20 * WORLD + 20, server.num_keys()
+
+    # abort still reaches a blocked peer through its watcher's new connection
+    woke: list[float] = []
+
+    def body(rank: int) -> None:
+        if rank == 1:
+            with pytest.raises(CollectiveAbortedError, match="restarted-abort"):
+                colls[1].barrier("never", timeout=60)
+            woke.append(time.monotonic())
+        else:
+            time.sleep(0.5)  # let rank 1 block (its wake-up is what is measured)
+            woke.append(time.monotonic())
+            colls[0].abort("restarted-abort")
+
+    run_ranks(WORLD, body)
+    assert woke[1] - woke[0] < 1.5, woke  # documented: within 1 s (+0.5 s on a loaded machine)
+    for c in colls:
+        c.close()
