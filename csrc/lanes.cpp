@@ -40,13 +40,14 @@ struct PrefixAccess : c10d::PrefixStore {
   }
 };
 
-// A new connection to the same store, for torch releases whose Store has no clone():
-// a TCPStore client to the same host and port (same backend and timeout), under the same
-// PrefixStores. Only called for TCPStore-backed chains (see Lanes::Lanes).
-c10::intrusive_ptr<c10d::Store> new_client(const c10::intrusive_ptr<c10d::Store>& store) {
+// A new connection to the same store: a TCPStore client to the same host and port (same
+// backend and timeout), under the same PrefixStores, opened within connect_timeout seconds
+// when > 0 (clone() would take the store's whole timeout to fail on a server that is gone).
+// Only called for TCPStore-backed chains (see Lanes::Lanes).
+c10::intrusive_ptr<c10d::Store> new_client(const c10::intrusive_ptr<c10d::Store>& store, double connect_timeout) {
   if (auto* prefix = dynamic_cast<c10d::PrefixStore*>(store.get())) {
     return c10::make_intrusive<c10d::PrefixStore>(
-        PrefixAccess::prefix(*prefix), new_client(prefix->getUnderlyingStore()));
+        PrefixAccess::prefix(*prefix), new_client(prefix->getUnderlyingStore(), connect_timeout));
   }
   auto* tcp = dynamic_cast<c10d::TCPStore*>(store.get());
   if (tcp == nullptr) {
@@ -57,8 +58,13 @@ c10::intrusive_ptr<c10d::Store> new_client(const c10::intrusive_ptr<c10d::Store>
   opts.isServer = false;
   opts.waitWorkers = false;
   opts.timeout = tcp->getTimeout();
+  if (connect_timeout > 0 && millis(connect_timeout) < opts.timeout) {
+    opts.timeout = millis(connect_timeout);  // connecting gives up then; the lane sets its own later
+  }
   opts.useLibUV = tcp->isLibUvBackend();
-  return c10::make_intrusive<c10d::TCPStore>(tcp->getHost(), opts);
+  auto client = c10::make_intrusive<c10d::TCPStore>(tcp->getHost(), opts);
+  client->setTimeout(tcp->getTimeout());
+  return client;
 }
 } // namespace
 
@@ -230,6 +236,7 @@ Lanes::Lanes(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {
   // The TCPStore path: a TCPStore under any number of PrefixStores, where this torch's
   // TCPStore has a server-side barrier (and, under PrefixStores, list_keys: the Python twin
   // learns their prefix with it). Both implementations apply this same rule to a given store.
+  tcp_ = tcp;
   bool chain = base.get() != store_.get();
   native_barrier_ = compat::kBarrier && tcp && (!chain || compat::kListKeys);
   if (native_barrier_ && chain) {
@@ -242,7 +249,7 @@ Lanes::Lanes(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {
   }
 }
 
-std::unique_ptr<Lane> Lanes::acquire() {
+std::unique_ptr<Lane> Lanes::acquire(double connect_timeout) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!free_.empty()) {
@@ -251,17 +258,17 @@ std::unique_ptr<Lane> Lanes::acquire() {
       return lane;
     }
   }
-  return open();
+  return open(connect_timeout);
 }
 
-std::unique_ptr<Lane> Lanes::open() {
+std::unique_ptr<Lane> Lanes::open(double connect_timeout) {
   auto lane = std::make_unique<Lane>();
   if (!owned_) {
     lane->store = store_;
-  } else if constexpr (compat::kClone) {
-    lane->store = compat::clone(*store_);
+  } else if (tcp_ || !compat::kClone) {
+    lane->store = new_client(store_, connect_timeout);
   } else {
-    lane->store = new_client(store_);
+    lane->store = compat::clone(*store_);
   }
   lane->owned = owned_;
   lane->native_barrier = native_barrier_;

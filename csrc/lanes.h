@@ -61,9 +61,11 @@ struct Lane {
 class Lanes {
  public:
   explicit Lanes(c10::intrusive_ptr<c10d::Store> store);
-  std::unique_ptr<Lane> acquire();
+  // connect_timeout (seconds, > 0): the longest a new connection may take to open (an op's
+  // time left), so that a server that is gone cannot hold an op past its deadline.
+  std::unique_ptr<Lane> acquire(double connect_timeout = -1.0);
   // A new lane (a new connection where lanes are owned), never one from the pool.
-  std::unique_ptr<Lane> open();
+  std::unique_ptr<Lane> open(double connect_timeout = -1.0);
   void release(std::unique_ptr<Lane> lane);
   void close();
   bool owned() const { return owned_; }
@@ -75,6 +77,7 @@ class Lanes {
   bool native_barrier_;
   bool extended_;
   std::string prefix_;
+  bool tcp_ = false;  // a TCPStore under the PrefixStores: new lanes are new clients
   std::mutex mutex_;
   std::vector<std::unique_ptr<Lane>> free_;
 };

@@ -39,6 +39,9 @@ auto decode(const Op& op, const std::string& key, F decoder) -> decltype(decoder
   }
 }
 
+// Naming the missing ranks happens at the deadline: a new connection for it gets this long.
+constexpr double kDiagnosticsConnect = 2.0;
+
 bool is_digits(const std::string& s) {
   size_t i = (!s.empty() && s[0] == '-') ? 1 : 0;
   return i < s.size() && std::all_of(s.begin() + i, s.end(), [](unsigned char c) { return std::isdigit(c); });
@@ -269,9 +272,11 @@ void StoreCollectives::close(double flush_timeout) {
 
 std::unique_ptr<Lane> StoreCollectives::open_lane(const Op& op) {
   try {
-    return lanes_->acquire();
+    // Half the time left: torch's connect loop may wait up to its timeout once more before it
+    // gives up, and the op must still end by its deadline.
+    return lanes_->acquire(std::max(op.left() / 2, 0.001));
   } catch (const std::exception& exc) {
-    throw CollectiveError(op.name, op.label, "store error: " + error_text(exc));
+    throw CollectiveError(op.name, op.label, "store unreachable: " + error_text(exc));
   }
 }
 
@@ -565,12 +570,15 @@ void StoreCollectives::failure(const Op& op, const std::exception& exc) {
     raise_abort(op, *notice);
   }
   std::string text = error_text(exc);
+  if (connection_lost(exc)) {
+    throw CollectiveError(op.name, op.label, "store unreachable: " + text);
+  }
   if (op.left() > 0.01 && lower(text).find("timeout") == std::string::npos) {
     throw CollectiveError(op.name, op.label, "store error: " + text);
   }
   std::string detail;
   try {
-    LaneGuard lane(*lanes_, open_lane(op));
+    LaneGuard lane(*lanes_, lanes_->acquire(kDiagnosticsConnect));  // past the deadline: a budget of its own
     timeout(op, *lane);
   } catch (const CollectiveTimeout&) {
     throw;

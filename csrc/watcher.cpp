@@ -203,6 +203,9 @@ Watcher::Blocked::~Blocked() {
   }
 }
 
+// The longest the watcher waits to open a new connection (it tries again on its next wake).
+constexpr double kHealConnect = 1.0;
+
 bool connection_lost(const std::exception& exc) {
   // Twin of watcher.connection_lost: the store's connection is gone (server died or restarted).
   if (dynamic_cast<const c10::DistNetworkError*>(&exc) != nullptr) {
@@ -360,7 +363,7 @@ void Watcher::run(std::shared_ptr<State> st) {
       // The server restarted or dropped us: go on with a new connection (not a pooled lane:
       // those may be as dead as ours); while none can be opened, keep trying on each wake.
       try {
-        lane = st->lanes->open();
+        lane = st->lanes->open(kHealConnect);
       } catch (const std::exception&) {
       }
     }

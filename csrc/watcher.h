@@ -20,6 +20,10 @@
 
 namespace torch_ctrl {
 
+// Whether a store error means the connection is gone (the server died or restarted).
+bool connection_lost(const std::exception& exc);
+
+
 using Task = std::function<void(Lane&)>;
 using Wake = std::function<void(Lane&, const std::string&)>;
 

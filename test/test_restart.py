@@ -77,3 +77,28 @@ def test_background_work_survives_a_server_restart(impl: str) -> None:
     assert woke[1] - woke[0] < 1.5, woke  # documented: within 1 s (+0.5 s on a loaded machine)
     for c in colls:
         c.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+def test_ops_fail_within_their_timeout_once_the_server_is_gone(impl: str, kind: str) -> None:
+    """No store call, reconnect included, outlives an op's deadline: after the server is gone
+    every op fails within its timeout (plus slack) with one line saying the store is
+    unreachable (the client's own timeout is 300 s)."""
+    from helpers import Stores
+
+    stores = Stores(kind)
+    colls = [make(impl, stores.client(r), r, WORLD) for r in range(WORLD)]
+    run_ranks(WORLD, lambda r: colls[r].all_sum("warm", 1, timeout=30))
+    del stores.server, stores.admin  # the server goes away
+    for i in range(3):
+        started = time.monotonic()
+        with pytest.raises(CollectiveError) as info:
+            colls[0].barrier(f"gone{i}", timeout=3)
+        took = time.monotonic() - started
+        text = str(info.value)
+        assert "store unreachable" in text and "\n" not in text, text
+        assert took < 3 + 2.0, (i, took)  # the timeout, plus slack for a loaded machine
+    for c in colls:
+        c.close(flush_timeout=0.5)

@@ -107,22 +107,29 @@ def chain_prefix(store: dist.Store) -> str:
 _CONNECT = threading.Lock()
 
 
-def new_client(store: dist.TCPStore) -> dist.TCPStore:
-    """A new client of ``store``'s server (same host, port, backend and timeout): a lane
-    where this torch has no ``clone()``."""
+def new_client(store: dist.TCPStore, connect_timeout: float | None = None) -> dist.TCPStore:
+    """A new client of ``store``'s server (same host, port, backend and timeout), connected
+    within ``connect_timeout`` seconds when given."""
+    if capabilities.CLONE:
+        return _tcp_client(store, connect_timeout)
     with _CONNECT:
-        return _tcp_client(store)
+        return _tcp_client(store, connect_timeout)
 
 
-def _tcp_client(store: dist.TCPStore) -> dist.TCPStore:
-    return dist.TCPStore(
+def _tcp_client(store: dist.TCPStore, connect_timeout: float | None) -> dist.TCPStore:
+    timeout = store.timeout
+    if connect_timeout is not None and connect_timeout < timeout.total_seconds():
+        timeout = timedelta(seconds=max(connect_timeout, _TICK))  # connecting gives up then
+    client = dist.TCPStore(
         store.host,
         store.port,
         is_master=False,
-        timeout=store.timeout,
+        timeout=timeout,
         wait_for_workers=False,
         use_libuv=store.libuvBackend,
     )
+    client.set_timeout(store.timeout)
+    return client
 
 
 class Lane:
@@ -318,17 +325,25 @@ class Lanes:
             self.prefix = lane.prefix = chain_prefix(lane.store)
             self.release(lane)
 
-    def acquire(self) -> Lane:
-        """A lane from the pool, or a new one."""
+    def acquire(self, connect_timeout: float | None = None) -> Lane:
+        """A lane from the pool, or a new one (see :meth:`open`)."""
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return self.open()
+        return self.open(connect_timeout)
 
-    def open(self) -> Lane:
-        """A new lane (a new connection where lanes are owned), never one from the pool."""
+    def open(self, connect_timeout: float | None = None) -> Lane:
+        """A new lane (a new connection where lanes are owned), never one from the pool. A
+        TCPStore's new connection opens within ``connect_timeout`` seconds when given (an op's
+        time left): ``clone()`` would take the store's whole timeout to fail on a server that
+        is gone."""
         if not self.owned:
             handle = self.store
+        elif isinstance(self.store, dist.TCPStore):
+            handle = new_client(self.store, connect_timeout)
+        elif self.prefix and not self.sliced:  # a PrefixStore chain whose prefix is known
+            # PrefixStore(P, c) puts "P/" before a key: P is the joined prefix less its last "/".
+            handle = dist.PrefixStore(self.prefix[:-1], new_client(base_store(self.store), connect_timeout))
         elif capabilities.CLONE:
             handle = self.store.clone()
         else:

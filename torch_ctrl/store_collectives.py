@@ -42,9 +42,10 @@ from .errors import (
     timeout_error,
 )
 from .lanes import Borrowed, Lane, Lanes
-from .watcher import Watcher
+from .watcher import Watcher, connection_lost
 
 T = TypeVar("T")
+DIAGNOSTICS_CONNECT = 2.0  # seconds a new connection may take to name the missing ranks
 
 
 @dataclass
@@ -291,9 +292,11 @@ class PyStoreCollectives(ControlCollectives):
         """``with self._lane(op) as lane``: borrow a lane for ``op`` (dropped, not reused, after
         an error); failing to open one (store gone) is a one-line CollectiveError."""
         try:
-            return Borrowed(self._lanes, self._lanes.acquire())
+            # Half the time left: torch's connect loop may wait up to its timeout once more
+            # before it gives up, and the op must still end by its deadline.
+            return Borrowed(self._lanes, self._lanes.acquire(max(op.left() / 2, 0.001)))
         except Exception as exc:
-            raise collective_error(op.name, op.label, f"store error: {one_line(str(exc))}") from None
+            raise collective_error(op.name, op.label, f"store unreachable: {one_line(str(exc))}") from None
 
     def _sum_counted(self, op: _Op, value: int) -> int:
         """all_sum on the generic path: O(1) store work per rank. Add to one running total,
@@ -500,10 +503,12 @@ class PyStoreCollectives(ControlCollectives):
         if self._watcher.notice is not None:
             return self._aborted(op, self._watcher.notice)
         text = one_line(str(exc))
+        if connection_lost(exc):
+            return collective_error(op.name, op.label, f"store unreachable: {text}")
         if time.monotonic() < op.deadline - 0.01 and "timeout" not in text.lower():
             return collective_error(op.name, op.label, f"store error: {text}")
-        try:
-            with self._lane(op) as lane:
+        try:  # at the deadline: a new connection for the diagnostics gets a budget of its own
+            with Borrowed(self._lanes, self._lanes.acquire(DIAGNOSTICS_CONNECT)) as lane:
                 return self._timeout(op, lane)
         except Exception as diag_exc:  # noqa: BLE001 - diagnostics must not hide the timeout
             return timeout_error(op.name, op.label, op.seconds, self._world, detail=f"({one_line(str(diag_exc))})")

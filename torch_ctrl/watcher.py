@@ -111,6 +111,9 @@ class _Beat:
     since: float = field(default_factory=time.monotonic)
 
 
+HEAL_CONNECT = 1.0  # seconds the watcher waits to open a new connection (tried again on its next wake)
+
+
 def connection_lost(exc: BaseException) -> bool:
     """Whether a store error means the connection is gone (the server died or restarted)."""
     if isinstance(exc, (dist.DistNetworkError, ConnectionError)):
@@ -355,7 +358,7 @@ class Watcher:
         if not self._broken:
             return lane
         try:
-            fresh = self._lanes.open()  # not a pooled lane: those may be as dead as ours
+            fresh = self._lanes.open(HEAL_CONNECT)  # not a pooled lane: those may be as dead as ours
         except Exception as exc:  # noqa: BLE001 - the server is still gone
             log.debug("torch_ctrl watcher cannot reconnect yet: %s", exc)
             return lane
