@@ -13,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 import torch_ctrl
+from torch_ctrl import capabilities
 
 
 @pytest.mark.timeout(180)
@@ -60,6 +61,7 @@ def test_help_and_version() -> None:
     assert "--standalone starts a single-node job with a 'ctrl' rendezvous on localhost" in text
 
 
+@pytest.mark.skipif(not capabilities.LIST_KEYS, reason="this torch's TCPStore cannot list its keys")
 def test_inspect_command_json_text_prefix_and_watch() -> None:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     coll = torch_ctrl.StoreCollectives(dist.PrefixStore("jobA", server), 0, 2)

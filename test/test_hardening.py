@@ -343,4 +343,4 @@ def test_tcpstore_under_a_resolver_that_drops_queries(tmp_path: Any) -> None:
         pytest.skip(f"no private mount namespace here: {proc.stderr.strip()[:200]}")
     lookup, connect = (float(x) for x in proc.stdout.split())
     assert lookup >= 0.9, "the name server answered: the stall was not simulated"
-    assert connect < 4.0, connect  # a 1 s capped stall or two, plus scheduling; 10 s without the cap
+    assert connect < 6.0, connect  # a 1 s capped stall or two, plus a loaded machine; 10 s without the cap
