@@ -504,7 +504,12 @@ std::pair<std::string, std::vector<std::string>> StoreCollectives::untag(
     for (size_t i = 0, n = decode(op, key, [&] { return K::chunk_count(value); }); i < n; ++i) {
       names.push_back(K::chunk_key(key, i));
     }
-    auto parts = lane.multi_get(names, std::max(op.left(), 1.0));
+    // One chunk per read: a reply of several 4 MiB chunks breaks the connection on some torch
+    // releases' TCPStore servers (torch 2.7: "Broken pipe" at 16 MiB).
+    std::vector<std::string> parts;
+    for (const auto& name : names) {
+      parts.push_back(lane.multi_get({name}, std::max(op.left(), 1.0)).at(0));
+    }
     return {decode(op, key, [&] { return K::join_chunks(parts); }), names};
   }
   if (!value.empty() && value[0] == K::kTagAbort) {

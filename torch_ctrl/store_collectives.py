@@ -433,7 +433,9 @@ class PyStoreCollectives(ControlCollectives):
             return value[1:], []
         if value[:1] == K.TAG_CHUNKS:
             names = [K.chunk_key(key, i) for i in range(self._decode(op, key, K.chunk_count, value))]
-            parts = lane.multi_get(names, max(op.left(), 1.0))
+            # One chunk per read: a reply of several 4 MiB chunks breaks the connection on some
+            # torch releases' TCPStore servers (torch 2.7: "Broken pipe" at 16 MiB).
+            parts = [lane.multi_get([name], max(op.left(), 1.0))[0] for name in names]
             return self._decode(op, key, K.join_chunks, parts), names
         if value[:1] == K.TAG_ABORT:
             self._raise_abort(op, value[1:])
