@@ -261,7 +261,7 @@ class Lane:
         # the lane's timeout (a PrefixStore passes set_timeout on to its TCPStore), so no
         # timedelta is built per call. Under PrefixStores it is called on the TCPStore itself.
         self._arm(seconds)
-        if self.prefix:
+        if self.prefix and self.native_barrier:
             if self._base is None:
                 self._base = base_store(self.store)
             self._base.barrier(self.prefix + key, world_size)
@@ -319,8 +319,10 @@ class Lanes:
         self._lock = threading.Lock()
         # What the PrefixStores put before a key: the server-side barrier is called on the
         # TCPStore under them, with the full key (PrefixStore does not forward barrier()).
+        # Known too for any owned chain over a TCPStore where it can be learned: new lanes are
+        # then new clients opened within an op's time left (clone() cannot be bounded).
         self.prefix = ""
-        if self.native_barrier and chain:
+        if chain and tcp and self.owned and (self.native_barrier or capabilities.LIST_KEYS):
             lane = self.acquire()
             self.prefix = lane.prefix = chain_prefix(lane.store)
             self.release(lane)
