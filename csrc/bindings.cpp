@@ -8,7 +8,10 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
+#include <chrono>
 #include <sstream>
+#include <thread>
 
 // setup.py defines TORCH_CTRL_TORCH_VERSION as the bare version (2.13.0+cpu): a string
 // literal would not survive every build tool's quoting.
@@ -23,6 +26,39 @@ using torch_ctrl::Key;
 using torch_ctrl::StoreCollectives;
 
 namespace {
+
+// The thread that runs the interpreter's finalization: set at import, and again in a forked
+// child (whose main thread is the one that forked).
+std::atomic<unsigned long> main_thread_ident{0};
+
+bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+// Releases the GIL around a store call. A call that returns while the interpreter finalizes
+// (a daemon thread blocked in a collective when the script exits) must not take the GIL back:
+// CPython ends such a thread with pthread_exit from inside the GIL's re-acquisition, and that
+// unwinding through this destructor aborts the process. The thread parks instead, as CPython
+// 3.14 does itself; the main thread (which runs the finalization) never parks.
+class NoGil {
+ public:
+  NoGil() : state_(PyEval_SaveThread()) {}
+  NoGil(const NoGil&) = delete;
+  NoGil& operator=(const NoGil&) = delete;
+  ~NoGil() {
+    while (finalizing() && PyThread_get_thread_ident() != main_thread_ident) {
+      std::this_thread::sleep_for(std::chrono::hours(1));
+    }
+    PyEval_RestoreThread(state_);
+  }
+
+ private:
+  PyThreadState* state_;
+};
 
 void raise_from(const char* builder, const py::tuple& args) {
   py::object exc = py::module_::import("torch_ctrl.errors").attr(builder)(*args);
@@ -119,49 +155,53 @@ PYBIND11_MODULE(_C, m) {
     }
     throw py::value_error("unknown decoder '" + kind + "'");
   });
+  main_thread_ident = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
+  m.def("_set_main_thread", [](unsigned long ident) { main_thread_ident = ident; });
+  m.def("_leave_process", &torch_ctrl::leave_process,
+        "The process exits: watchers drain their cleanup and stop, even with callers blocked.");
   m.def("_op_prefix", &torch_ctrl::keys::op_prefix, "Key prefix of one collective (for layout tests).");
   m.def("_base_key", &torch_ctrl::base_key, "The store under any PrefixStores, and the key as it sees it.");
 
   py::class_<StoreCollectives, std::shared_ptr<StoreCollectives>>(m, "StoreCollectives")
       .def(py::init([](c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::optional<double> hb) {
-             py::gil_scoped_release nogil;
+             NoGil nogil;
              return std::make_shared<StoreCollectives>(std::move(store), rank, world, hb);
            }),
            py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("heartbeat_interval") = py::none())
       .def("abort",
            [](StoreCollectives& s, const std::string& reason) {
-             py::gil_scoped_release nogil;
+             NoGil nogil;
              s.abort(reason);
            })
       .def("barrier",
            [](StoreCollectives& s, const Key& key, double timeout, bool block) {
-             py::gil_scoped_release nogil;
+             NoGil nogil;
              s.barrier(key, timeout, block);
            })
       .def("broadcast_send",
            [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
-             py::gil_scoped_release nogil;
+             NoGil nogil;
              s.broadcast_send(key, data, timeout);
            })
       .def("broadcast_recv",
            [](StoreCollectives& s, const Key& key, double timeout) {
              std::string out;
              {
-               py::gil_scoped_release nogil;
+               NoGil nogil;
                out = s.broadcast_recv(key, timeout);
              }
              return py::bytes(out);
            })
       .def("gather_send",
            [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
-             py::gil_scoped_release nogil;
+             NoGil nogil;
              s.gather_send(key, data, timeout);
            })
       .def("gather_recv",
            [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
              std::vector<std::string> out;
              {
-               py::gil_scoped_release nogil;
+               NoGil nogil;
                out = s.gather_recv(key, data, timeout);
              }
              return to_list(out);
@@ -170,7 +210,7 @@ PYBIND11_MODULE(_C, m) {
            [](StoreCollectives& s, const Key& key, const std::vector<std::string>& data, double timeout) {
              std::string out;
              {
-               py::gil_scoped_release nogil;
+               NoGil nogil;
                out = s.scatter_send(key, data, timeout);
              }
              return py::bytes(out);
@@ -179,7 +219,7 @@ PYBIND11_MODULE(_C, m) {
            [](StoreCollectives& s, const Key& key, double timeout) {
              std::string out;
              {
-               py::gil_scoped_release nogil;
+               NoGil nogil;
                out = s.scatter_recv(key, timeout);
              }
              return py::bytes(out);
@@ -188,7 +228,7 @@ PYBIND11_MODULE(_C, m) {
            [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
              torch_ctrl::Gathered out;
              {
-               py::gil_scoped_release nogil;
+               NoGil nogil;
                out = s.all_gather(key, data, timeout);
              }
              py::list values(out.values.size());  // one bytes object per rank, copied from the log
@@ -199,11 +239,11 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("all_sum",
            [](StoreCollectives& s, const Key& key, int64_t data, double timeout) {
-             py::gil_scoped_release nogil;
+             NoGil nogil;
              return s.all_sum(key, data, timeout);
            })
       .def("close", &StoreCollectives::close, py::arg("flush_timeout"),
-           py::call_guard<py::gil_scoped_release>())
+           py::call_guard<NoGil>())
       .def_property_readonly("rank", &StoreCollectives::rank)
       .def_property_readonly("world_size", &StoreCollectives::world_size);
 }

@@ -15,11 +15,16 @@ double grace_period(double timeout) {
 
 namespace {
 std::atomic<int64_t> live_watchers{0};
+std::atomic<bool> leaving{false};
 
 std::chrono::steady_clock::duration secs(double s) {
   return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
 }
 } // namespace
+
+void leave_process() {
+  leaving.store(true);
+}
 
 double tick() {
   return kTick * std::max(1.0, static_cast<double>(live_watchers.load()) / kTickWatchers);
@@ -85,7 +90,7 @@ Watcher::~Watcher() {
 }
 
 void Watcher::start_locked() {
-  if (!state_->running) {
+  if (!state_->running && !leaving.load()) {
     if (state_->thread.joinable()) {
       state_->thread.join();
     }
@@ -274,6 +279,8 @@ void Watcher::run(std::shared_ptr<State> st) {
   std::unique_lock<std::mutex> lock(st->mutex);
   while (true) {
     auto now = Clock::now();
+    // Blocked callers are served (named, woken, polled for) until the process exits.
+    bool serve = !leaving.load();
     std::vector<std::string> names;
     std::vector<Wake> wakes;
     std::optional<Clock::time_point> next;
@@ -283,6 +290,9 @@ void Watcher::run(std::shared_ptr<State> st) {
       }
     };
     for (auto& [id, e] : st->blocked) {
+      if (!serve) {
+        break;
+      }
       if (!e.named && e.due <= now) {
         e.named = true;
         names.push_back(e.names_key);
@@ -296,10 +306,11 @@ void Watcher::run(std::shared_ptr<State> st) {
         }
       }
     }
-    bool do_poll = !st->blocked.empty() && !st->notice && now >= st->next_poll;
+    bool waiting = serve && !st->blocked.empty();
+    bool do_poll = waiting && !st->notice && now >= st->next_poll;
     if (do_poll) {
       st->next_poll = now + secs(st->heartbeat ? std::min(kPoll, *st->heartbeat) : kPoll);
-    } else if (!st->blocked.empty() && !st->notice) {
+    } else if (waiting && !st->notice) {
       consider(st->next_poll);
     }
     bool do_beat = st->heartbeat && !st->closed && now >= st->next_beat;
@@ -317,7 +328,7 @@ void Watcher::run(std::shared_ptr<State> st) {
       st->tasks.pop_front();
     }
     if (tasks.empty() && names.empty() && wakes.empty() && !do_poll && !do_beat) {
-      if (st->closed && st->blocked.empty()) {
+      if (st->closed && !waiting) {
         break;
       }
       st->wake_at = next;

@@ -36,6 +36,10 @@ constexpr double kTick = 0.1;
 constexpr double kTickWatchers = 16;
 // The active watcher's wake-up period in this process (kTick, longer past kTickWatchers).
 double tick();
+// The process exits (twin of watcher._stop_all's flag): from now on watchers only drain their
+// cleanup and stop, even with callers still blocked, so nothing of ours makes a blocked call
+// return while the interpreter finalizes.
+void leave_process();
 constexpr double kLinger = 1.0;
 constexpr double kPoll = 0.7;
 constexpr double kDeadAfter = 2.5;

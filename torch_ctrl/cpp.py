@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -41,9 +42,15 @@ _LIVE: weakref.WeakSet[CppStoreCollectives] = weakref.WeakSet()
 _ORPHANS: list[object] = []
 
 
+# The extension lets no thread but the main one take the GIL back during finalization.
+os.register_at_fork(after_in_child=lambda: _C._set_main_thread(threading.main_thread().ident))
+
+
 @atexit.register
 def _close_all() -> None:
-    """Stop background threads before the interpreter finalizes (they may call into Python stores)."""
+    """Stop background threads before the interpreter finalizes (they may call into Python
+    stores), even while a thread is still blocked in a collective: see watcher._stop_all."""
+    _C._leave_process()
     for coll in list(_LIVE):
         if getattr(coll, "_owner", None) == os.getpid():
             coll.close(flush_timeout=2.0)

@@ -59,12 +59,23 @@ POLL = 0.7
 DEAD_AFTER = 2.5
 
 _LIVE: weakref.WeakSet[Watcher] = weakref.WeakSet()
+# Set once the interpreter exits: watchers then only drain their cleanup and stop, even with
+# callers still blocked (see _stop_all).
+_LEAVING = False
 
 
 @atexit.register
 def _stop_all() -> None:
-    """Stop every watcher before the interpreter finalizes: a daemon thread caught
-    inside a store call at shutdown would abort the process."""
+    """Stop every watcher before the interpreter finalizes.
+
+    A thread that is inside a store call when finalization starts is killed by the
+    interpreter as the call returns, and that kills the process (SIGABRT). So at exit the
+    watchers stop polling, waking callers and beating, drain their cleanup and end, even
+    while another thread is still blocked in a collective: nothing of ours then makes a
+    blocked call return during finalization (a watcher would otherwise see the closed ranks'
+    heartbeats stop, abort the group and wake the blocked callers)."""
+    global _LEAVING
+    _LEAVING = True
     for watcher in list(_LIVE):
         watcher.close(flush_timeout=2.0)
 
@@ -236,8 +247,8 @@ class Watcher:
 
     # -- the thread --------------------------------------------------------------
     def _start(self) -> None:
-        """Start the thread unless it runs (called with the lock held)."""
-        if not self._running:
+        """Start the thread unless it runs, or the process exits (called with the lock held)."""
+        if not self._running and not _LEAVING:
             self._running = True
             self._thread = threading.Thread(target=self._run, name="torch_ctrl-watcher", daemon=True)
             self._thread.start()
@@ -247,26 +258,28 @@ class Watcher:
         with self._cv:
             while True:
                 now = time.monotonic()
-                names = [b.names_key for b in self._blocked.values() if not b.named and b.due <= now]
-                for b in self._blocked.values():
+                # Blocked callers are served (named, woken, polled for) until the process exits.
+                blocked = [] if _LEAVING else list(self._blocked.values())
+                names = [b.names_key for b in blocked if not b.named and b.due <= now]
+                for b in blocked:
                     if b.due <= now:
                         b.named = True
-                wake = [b for b in self._blocked.values() if self.notice is not None and not b.woken]
+                wake = [b for b in blocked if self.notice is not None and not b.woken]
                 for b in wake:
                     b.woken = True
-                poll = bool(self._blocked) and self.notice is None and now >= self._next_poll
+                poll = bool(blocked) and self.notice is None and now >= self._next_poll
                 if poll:
                     self._next_poll = now + (min(POLL, self._heartbeat) if self._heartbeat else POLL)
                 beat = self._heartbeat is not None and not self._closed and now >= self._next_beat
                 if beat:
                     self._next_beat = now + self._heartbeat  # type: ignore[operator]
-                if self._tasks or names or wake or poll or beat or (self._closed and not self._blocked):
+                if self._tasks or names or wake or poll or beat or self._done():
                     tasks = [self._tasks.popleft()] if self._tasks else []
                     self._busy = bool(tasks)
                     self._cv.notify_all()
                     return tasks, names, wake, poll, beat
-                due = [b.due for b in self._blocked.values() if not b.named]
-                if self._blocked and self.notice is None:
+                due = [b.due for b in blocked if not b.named]
+                if blocked and self.notice is None:
                     due.append(self._next_poll)
                 if self._heartbeat is not None and not self._closed:
                     due.append(self._next_beat)
@@ -276,6 +289,10 @@ class Watcher:
                 self._sleeping = True
                 self._cv.wait(max(0.0, self._wake_at - now) if self._wake_at is not None else None)
                 self._sleeping = False
+
+    def _done(self) -> bool:
+        """Closed, and no caller left to serve (called with the lock held)."""
+        return self._closed and (not self._blocked or _LEAVING)
 
     def _run(self) -> None:
         try:
@@ -306,7 +323,7 @@ class Watcher:
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
-                if self._closed and not self._tasks and not self._blocked:
+                if not self._tasks and self._done():
                     break
         if self._heartbeat is not None:
             # A closed rank is not dead: drop its heartbeat (peers skip missing ones).
