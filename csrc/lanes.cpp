@@ -7,14 +7,68 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <mutex>
+#include <thread>
 
 namespace torch_ctrl {
 
 namespace {
 constexpr double kTick = 0.001;  // smallest timeout handed to a store
+
+// Twin of lanes._ForkGate: no fork() while one of our threads opens a connection. Name
+// resolution takes glibc's resolver lock; a child forked while another thread held it
+// deadlocks as soon as one of its own threads ends. fork() waits for connections in progress
+// (at most kForkWait seconds) and holds new ones off until it is done.
+constexpr double kForkWait = 2.0;
+struct ForkGate {
+  std::mutex mutex;
+  int connecting = 0;
+
+  ForkGate() {
+    pthread_atfork(
+        [] {
+          auto& g = gate();
+          g.mutex.lock();  // held across fork(): no connection starts meanwhile
+          auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(kForkWait);
+          while (g.connecting > 0 && std::chrono::steady_clock::now() < end) {
+            g.mutex.unlock();
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            g.mutex.lock();
+          }
+        },
+        [] { gate().mutex.unlock(); },
+        [] {
+          auto& g = gate();
+          g.connecting = 0;  // the connecting threads were not copied
+          g.mutex.unlock();  // locked by this same thread before the fork
+        });
+  }
+  static ForkGate& gate() {
+    static ForkGate* g = new ForkGate();  // never destroyed: fork handlers refer to it
+    return *g;
+  }
+};
+
+// RAII: one connection being opened.
+struct Connecting {
+  Connecting() {
+    auto& g = ForkGate::gate();
+    std::lock_guard<std::mutex> lock(g.mutex);
+    ++g.connecting;
+  }
+  ~Connecting() {
+    auto& g = ForkGate::gate();
+    std::lock_guard<std::mutex> lock(g.mutex);
+    --g.connecting;
+  }
+  Connecting(const Connecting&) = delete;
+  Connecting& operator=(const Connecting&) = delete;
+};
 
 // One memcpy each way (the iterator-pair constructors copy byte by byte; a log read by
 // every rank is O(N) bytes).
@@ -266,8 +320,10 @@ std::unique_ptr<Lane> Lanes::open(double connect_timeout) {
   if (!owned_) {
     lane->store = store_;
   } else if (tcp_ || !compat::kClone) {
+    Connecting connecting;
     lane->store = new_client(store_, connect_timeout);
   } else {
+    Connecting connecting;
     lane->store = compat::clone(*store_);
   }
   lane->owned = owned_;

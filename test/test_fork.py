@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -33,12 +35,35 @@ def _child(impl: str, coll, path: str, out) -> None:  # noqa: ANN001
     fresh = make(impl, dist.FileStore(path, -1), 1, 2)
     out.put(("sum", fresh.all_sum("after-fork", 2, timeout=30)))
     fresh.close()
+    out.close()
+    out.join_thread()  # os._exit() would drop what the queue's feeder thread has not sent yet
+
+
+# The TCPStore server runs in a process of its own: its thread resolves the name of every new
+# connection, and a child forked while that thread holds glibc's resolver lock deadlocks when
+# one of its own threads ends (torch's hazard; torch_ctrl's own connections hold fork() off).
+_SERVER = (
+    "import sys, torch.distributed as dist\n"
+    "s = dist.TCPStore(sys.argv[1], 0, is_master=True, wait_for_workers=False)\n"
+    "print(s.port, flush=True)\n"
+    "sys.stdin.read()\n"
+)
 
 
 def _check(impl: str, run_child, path: str) -> None:  # noqa: ANN001
-    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
-    parent = make(impl, dist.TCPStore(HOST, server.port, is_master=False), 0, 2)
-    peer = make(impl, dist.TCPStore(HOST, server.port, is_master=False), 1, 2)
+    with subprocess.Popen(
+        [sys.executable, "-c", _SERVER, HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as server:
+        try:
+            assert server.stdout is not None
+            _check_with(impl, run_child, path, int(server.stdout.readline()))
+        finally:
+            server.kill()
+
+
+def _check_with(impl: str, run_child, path: str, port: int) -> None:  # noqa: ANN001
+    parent = make(impl, dist.TCPStore(HOST, port, is_master=False), 0, 2)
+    peer = make(impl, dist.TCPStore(HOST, port, is_master=False), 1, 2)
     # Used before the fork, so lanes and the watcher thread exist and are inherited.
     from helpers import run_ranks
 
@@ -89,6 +114,10 @@ def test_os_fork_child(impl: str, tmp_path) -> None:  # noqa: ANN001
             try:
                 body()
                 code = 0
+            except BaseException:  # noqa: BLE001 - the parent sees only the exit code: say why
+                import traceback
+
+                traceback.print_exc()
             finally:
                 os._exit(code)
         pids.append(pid)

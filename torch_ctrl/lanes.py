@@ -100,6 +100,50 @@ def chain_prefix(store: dist.Store) -> str:
     return found[0][: -len(probe)]
 
 
+class _ForkGate:
+    """No ``fork()`` while one of our threads opens a connection.
+
+    Name resolution takes glibc's resolver lock; a child forked while another thread held it
+    deadlocks as soon as one of its own threads ends (a watcher, at ``close()``). ``fork()``
+    waits for connections in progress (at most ``FORK_WAIT`` seconds) and holds new ones off
+    until it is done. Twin of ``ForkGate`` in csrc/lanes.cpp (which guards the extension's
+    connections the same way)."""
+
+    FORK_WAIT = 2.0
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._connecting = 0
+
+    def __enter__(self) -> None:
+        with self._cv:
+            self._connecting += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cv:
+            self._connecting -= 1
+            self._cv.notify_all()
+
+    def before_fork(self) -> None:
+        self._cv.acquire()  # held across fork(): no connection starts meanwhile
+        self._cv.wait_for(lambda: self._connecting == 0, self.FORK_WAIT)
+
+    def after_fork_in_parent(self) -> None:
+        self._cv.release()
+
+    def after_fork_in_child(self) -> None:
+        self.__init__()  # type: ignore[misc]  # the connecting threads were not copied
+
+
+_FORK_GATE = _ForkGate()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_FORK_GATE.before_fork,
+        after_in_parent=_FORK_GATE.after_fork_in_parent,
+        after_in_child=_FORK_GATE.after_fork_in_child,
+    )
+
+
 # torch 2.6's TCPStore constructor registers its Python object without holding the GIL: two
 # threads constructing clients at once can corrupt pybind11's registry (the process aborts
 # with "Tried to deallocate unregistered instance"). Those torches have no clone(), so lanes
@@ -341,18 +385,23 @@ class Lanes:
         is gone."""
         if not self.owned:
             handle = self.store
-        elif isinstance(self.store, dist.TCPStore):
-            handle = new_client(self.store, connect_timeout)
-        elif self.prefix and not self.sliced:  # a PrefixStore chain whose prefix is known
-            # PrefixStore(P, c) puts "P/" before a key: P is the joined prefix less its last "/".
-            handle = dist.PrefixStore(self.prefix[:-1], new_client(base_store(self.store), connect_timeout))
-        elif capabilities.CLONE:
-            handle = self.store.clone()
         else:
-            handle = new_client(self.store)
+            with _FORK_GATE:
+                handle = self._connect(connect_timeout)
         lane = Lane(handle, self.owned, self.native_barrier, self.extended, self.sliced)
         lane.prefix = getattr(self, "prefix", "")
         return lane
+
+    def _connect(self, connect_timeout: float | None) -> dist.Store:
+        """A new connection for an owned lane."""
+        if isinstance(self.store, dist.TCPStore):
+            return new_client(self.store, connect_timeout)
+        if self.prefix and not self.sliced:  # a PrefixStore chain whose prefix is known
+            # PrefixStore(P, c) puts "P/" before a key: P is the joined prefix less its last "/".
+            return dist.PrefixStore(self.prefix[:-1], new_client(base_store(self.store), connect_timeout))
+        if capabilities.CLONE:
+            return self.store.clone()
+        return new_client(self.store)
 
     def release(self, lane: Lane) -> None:
         with self._lock:
