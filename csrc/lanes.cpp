@@ -13,12 +13,17 @@
 #include <chrono>
 #include <cmath>
 #include <mutex>
+#include <sstream>
 #include <thread>
 
 namespace torch_ctrl {
 
 namespace {
 constexpr double kTick = 0.001;  // smallest timeout handed to a store
+// Twins of lanes.FILE_POLL_FIRST and FILE_POLL: a FileStore's own blocking reads look every
+// 10 ms, so lanes over one poll check() from 0.1 ms, doubling up to 10 ms.
+constexpr double kFilePollFirst = 0.0001;
+constexpr double kFilePoll = 0.01;
 
 // Twin of lanes._ForkGate: no fork() while one of our threads opens a connection. Name
 // resolution takes glibc's resolver lock; a child forked while another thread held it
@@ -222,6 +227,10 @@ void Lane::arm(double seconds) {
 }
 
 void Lane::wait(const std::vector<std::string>& keys, double seconds) {
+  if (polled) {
+    wait_polled(keys, seconds);
+    return;
+  }
   try {
     store->wait(keys, millis(seconds));
   } catch (const std::exception& exc) {
@@ -233,7 +242,26 @@ void Lane::wait(const std::vector<std::string>& keys, double seconds) {
   }
 }
 
+void Lane::wait_polled(const std::vector<std::string>& keys, double seconds) {
+  auto start = std::chrono::steady_clock::now();
+  auto deadline = start + std::chrono::duration<double>(seconds);
+  double pause = kFilePollFirst;
+  while (!store->check(keys)) {
+    auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      std::ostringstream msg;
+      msg << "wait timeout after " << seconds << "s";
+      throw c10::DistStoreError(msg.str());
+    }
+    std::this_thread::sleep_for(std::min(std::chrono::duration<double>(pause), std::chrono::duration<double>(deadline - now)));
+    pause = std::min(pause * 2, kFilePoll);
+  }
+}
+
 bool Lane::fits(double seconds) {
+  if (polled) {
+    return false;  // its waits are polled
+  }
   if (owned) {
     arm(seconds);
     return true;
@@ -284,6 +312,7 @@ Lanes::Lanes(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {
   auto base = base_store(store_);
   bool tcp = dynamic_cast<c10d::TCPStore*>(base.get()) != nullptr;
   bool file = dynamic_cast<c10d::FileStore*>(base.get()) != nullptr;
+  polled_ = file;
   // Own connections: clones where this torch has clone(), else new TCPStore clients (a
   // FileStore without clone() is shared: its calls never hold a lock while they wait).
   owned_ = compat::kClone ? (tcp || file) : tcp;
@@ -330,6 +359,7 @@ std::unique_ptr<Lane> Lanes::open(double connect_timeout) {
   lane->native_barrier = native_barrier_;
   lane->prefix = prefix_;
   lane->extended = extended_;
+  lane->polled = polled_;
   return lane;
 }
 

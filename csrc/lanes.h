@@ -31,6 +31,7 @@ struct Lane {
   bool owned = false;
   bool native_barrier = false;
   bool extended = false;
+  bool polled = false;  // a FileStore (under any PrefixStores): waits poll check() faster than it
   double timeout = -1.0;
   // On the TCPStore path under PrefixStores: what they put before a key, and the TCPStore
   // under them (PrefixStore does not forward barrier(), so it is called there, with the full key).
@@ -56,6 +57,7 @@ struct Lane {
  private:
   void arm(double seconds);
   bool fits(double seconds);
+  void wait_polled(const std::vector<std::string>& keys, double seconds);
 };
 
 class Lanes {
@@ -76,6 +78,7 @@ class Lanes {
   bool owned_;
   bool native_barrier_;
   bool extended_;
+  bool polled_;  // a FileStore under any PrefixStores
   std::string prefix_;
   bool tcp_ = false;  // a TCPStore under the PrefixStores: new lanes are new clients
   std::mutex mutex_;

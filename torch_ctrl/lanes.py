@@ -38,6 +38,11 @@ from . import keys as K
 
 _TICK = 0.001  # smallest timeout handed to a store (0 means "forever" to some stores)
 SLICE = 0.05  # longest pause between checks on a TCPStore client shared by several callers (no clone())
+# A FileStore's own blocking reads look every 10 ms: a value written just after a look is seen
+# 10 ms late, which is the whole cost of most ops over a FileStore. Lanes over one poll `check`
+# instead, from FILE_POLL_FIRST doubling to FILE_POLL (a look reads only what was appended).
+FILE_POLL_FIRST = 0.0001
+FILE_POLL = 0.01
 
 
 def peek(store: dist.Store, key: str) -> bytes | None:
@@ -180,13 +185,20 @@ class Lane:
     """One store handle, used by one caller at a time."""
 
     def __init__(
-        self, store: dist.Store, owned: bool, native_barrier: bool, extended: bool, sliced: bool = False
+        self,
+        store: dist.Store,
+        owned: bool,
+        native_barrier: bool,
+        extended: bool,
+        sliced: bool = False,
+        polled: bool = False,
     ) -> None:
         self.store = store
         self.owned = owned
         self.native_barrier = native_barrier
         self.extended = extended
         self.sliced = sliced  # a TCPStore client shared by every caller: waits poll check()
+        self.polled = polled  # a FileStore (under any PrefixStores): waits poll check() faster than it
         self._timeout: float | None = None
         self._prefix: str | None = None  # what PrefixStores put before a key (see key_prefix)
         self.prefix = ""  # the same, on the TCPStore path (set by Lanes)
@@ -250,7 +262,10 @@ class Lane:
 
     def wait(self, keys: Sequence[str], seconds: float) -> None:
         if self.sliced:
-            self._wait_sliced(keys, seconds)
+            self._wait_sliced(keys, seconds, 0.001, SLICE)
+            return
+        if self.polled:
+            self._wait_sliced(keys, seconds, FILE_POLL_FIRST, FILE_POLL)
             return
         try:
             self.store.wait(list(keys), timedelta(seconds=max(seconds, _TICK)))
@@ -258,23 +273,26 @@ class Lane:
             # A Python store whose wait() takes no timeout: its own timeout applies.
             self.store.wait(list(keys))
 
-    def _wait_sliced(self, keys: Sequence[str], seconds: float) -> None:
-        """``wait`` on a client shared by every caller: poll ``check`` (backing off from 1 ms to
-        50 ms), so the client is never held while waiting (a timed-out TCPStore ``wait`` would
-        also log two warnings per slice)."""
+    def _wait_sliced(self, keys: Sequence[str], seconds: float, first: float, longest: float) -> None:
+        """``wait`` by polling ``check``, pausing ``first`` seconds and doubling up to ``longest``:
+        on a client shared by every caller (1 ms to 50 ms), so the client is never held while
+        waiting (a timed-out TCPStore ``wait`` would also log two warnings per slice); on a
+        FileStore (0.1 ms to 10 ms), so a value written just after a look is not seen 10 ms late."""
         deadline = time.monotonic() + seconds
-        pause = 0.001
+        pause = first
         while not self.store.check(list(keys)):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise dist.DistStoreError(f"wait timeout after {seconds:g}s, keys: {list(keys)}")
             time.sleep(min(pause, left))
-            pause = min(pause * 2, SLICE)
+            pause = min(pause * 2, longest)
 
     def _fits(self, seconds: float) -> bool:
         """True when a plain blocking read can be used: the lane is ours (its timeout is
         set per call), or the shared store's own timeout matches ours (within 1%) and no
-        other caller needs its connection meanwhile."""
+        other caller needs its connection meanwhile (never on a FileStore: its waits are polled)."""
+        if self.polled:
+            return False
         if self.owned:
             self._arm(seconds)
             return True
@@ -350,6 +368,7 @@ class Lanes:
         else:
             self.owned = isinstance(store, dist.TCPStore)
         self.sliced = tcp and not self.owned
+        self.polled = isinstance(base, dist.FileStore)
         # The TCPStore path: a TCPStore under any number of PrefixStores, where this torch's
         # TCPStore has a server-side barrier (and, under PrefixStores, list_keys: Python learns
         # their prefix with it). Both implementations apply this same rule to a given store.
@@ -388,7 +407,7 @@ class Lanes:
         else:
             with _FORK_GATE:
                 handle = self._connect(connect_timeout)
-        lane = Lane(handle, self.owned, self.native_barrier, self.extended, self.sliced)
+        lane = Lane(handle, self.owned, self.native_barrier, self.extended, self.sliced, self.polled)
         lane.prefix = getattr(self, "prefix", "")
         return lane
 
