@@ -547,13 +547,23 @@ std::optional<std::string> StoreCollectives::until_counted(const Op& op, Lane& l
 }
 
 void StoreCollectives::check_counter(const Op& op, const std::optional<std::string>& counter) {
-  if (counter && decode(op, op.key(K::kArrive), [&] { return K::parse_counter(*counter); }) >= K::kAbortBias) {
+  if (!counter) {
+    return;  // rank 0 deleted it: every rank had arrived
+  }
+  int64_t count = decode(op, op.key(K::kArrive), [&] { return K::parse_counter(*counter); });
+  if (count >= K::kAbortBias) {
     std::optional<std::string> notice;
     {
       LaneGuard lane(*lanes_);
       notice = lane->peek(watcher_->abort_key());
     }
     raise_abort(op, notice.value_or(watcher_->notice().value_or("-1:")));
+  }
+  if (count > world_) {
+    // Another group on the same keys: it would pass without waiting.
+    throw CollectiveError(
+        op.name, op.label,
+        std::to_string(count) + " arrivals in a group of " + std::to_string(world_) + ": " + K::kCollision);
   }
 }
 

@@ -483,10 +483,18 @@ class PyStoreCollectives(ControlCollectives):
         return counter
 
     def _check_counter(self, op: _Op, counter: bytes | None) -> None:
-        if counter is not None and self._decode(op, op.key(K.ARRIVE), K.parse_counter, counter) >= K.ABORT_BIAS:
+        """After a server-side barrier: an abort raised the counter, or more ranks than the
+        group arrived (another group on the same keys: it would pass without waiting)."""
+        if counter is None:
+            return  # rank 0 deleted it: every rank had arrived
+        count = self._decode(op, op.key(K.ARRIVE), K.parse_counter, counter)
+        if count >= K.ABORT_BIAS:
             with self._lanes.lane() as lane:
                 notice = lane.peek(self._watcher.abort_key)
             self._raise_abort(op, notice or self._watcher.notice or b"-1:")
+        if count > self._world:
+            detail = f"{count} arrivals in a group of {self._world}: {K.COLLISION}"
+            raise collective_error(op.name, op.label, detail)
 
     def _aborted(self, op: _Op, notice: bytes) -> Exception:
         """The CollectiveAbortedError for ``notice`` (``b"{rank}:{reason}"``); remembers the abort."""
