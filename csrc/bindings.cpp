@@ -12,6 +12,7 @@
 #include <chrono>
 #include <sstream>
 #include <thread>
+#include <type_traits>
 
 // setup.py defines TORCH_CTRL_TORCH_VERSION as the bare version (2.13.0+cpu): a string
 // literal would not survive every build tool's quoting.
@@ -39,26 +40,44 @@ bool finalizing() {
 #endif
 }
 
-// Releases the GIL around a store call. A call that returns while the interpreter finalizes
-// (a daemon thread blocked in a collective when the script exits) must not take the GIL back:
-// CPython ends such a thread with pthread_exit from inside the GIL's re-acquisition, and that
-// unwinding through this destructor aborts the process. The thread parks instead, as CPython
-// 3.14 does itself; the main thread (which runs the finalization) never parks.
-class NoGil {
- public:
-  NoGil() : state_(PyEval_SaveThread()) {}
-  NoGil(const NoGil&) = delete;
-  NoGil& operator=(const NoGil&) = delete;
-  ~NoGil() {
-    while (finalizing() && PyThread_get_thread_ident() != main_thread_ident) {
-      std::this_thread::sleep_for(std::chrono::hours(1));
-    }
-    PyEval_RestoreThread(state_);
+// Takes the GIL back after a store call. A call that returns while the interpreter finalizes
+// (a daemon thread blocked in a collective when the script exits) parks its thread instead, as
+// CPython 3.14 does itself; the main thread (which runs the finalization) never parks. When
+// finalization begins while the thread already waits for the GIL, CPython ends the thread with
+// pthread_exit from inside PyEval_RestoreThread: this is therefore never called from a
+// destructor (implicitly noexcept: that unwinding would abort the process), so it unwinds
+// through pybind11 and CPython like any daemon thread's end.
+void take_gil_back(PyThreadState* state) {
+  while (finalizing() && PyThread_get_thread_ident() != main_thread_ident) {
+    std::this_thread::sleep_for(std::chrono::hours(1));
   }
+  PyEval_RestoreThread(state);
+}
 
- private:
-  PyThreadState* state_;
-};
+// f() with the GIL released.
+template <typename F>
+auto nogil(F&& f) -> decltype(f()) {
+  PyThreadState* state = PyEval_SaveThread();
+  if constexpr (std::is_void_v<decltype(f())>) {
+    try {
+      f();
+    } catch (...) {
+      take_gil_back(state);
+      throw;
+    }
+    take_gil_back(state);
+  } else {
+    decltype(f()) out{};
+    try {
+      out = f();
+    } catch (...) {
+      take_gil_back(state);
+      throw;
+    }
+    take_gil_back(state);
+    return out;
+  }
+}
 
 void raise_from(const char* builder, const py::tuple& args) {
   py::object exc = py::module_::import("torch_ctrl.errors").attr(builder)(*args);
@@ -164,73 +183,48 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<StoreCollectives, std::shared_ptr<StoreCollectives>>(m, "StoreCollectives")
       .def(py::init([](c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::optional<double> hb) {
-             NoGil nogil;
-             return std::make_shared<StoreCollectives>(std::move(store), rank, world, hb);
+             return nogil([&] { return std::make_shared<StoreCollectives>(std::move(store), rank, world, hb); });
            }),
            py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("heartbeat_interval") = py::none())
       .def("abort",
            [](StoreCollectives& s, const std::string& reason) {
-             NoGil nogil;
-             s.abort(reason);
+             nogil([&] { s.abort(reason); });
            })
       .def("barrier",
            [](StoreCollectives& s, const Key& key, double timeout, bool block) {
-             NoGil nogil;
-             s.barrier(key, timeout, block);
+             nogil([&] { s.barrier(key, timeout, block); });
            })
       .def("broadcast_send",
            [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
-             NoGil nogil;
-             s.broadcast_send(key, data, timeout);
+             nogil([&] { s.broadcast_send(key, data, timeout); });
            })
       .def("broadcast_recv",
            [](StoreCollectives& s, const Key& key, double timeout) {
-             std::string out;
-             {
-               NoGil nogil;
-               out = s.broadcast_recv(key, timeout);
-             }
+             std::string out = nogil([&] { return s.broadcast_recv(key, timeout); });
              return py::bytes(out);
            })
       .def("gather_send",
            [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
-             NoGil nogil;
-             s.gather_send(key, data, timeout);
+             nogil([&] { s.gather_send(key, data, timeout); });
            })
       .def("gather_recv",
            [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
-             std::vector<std::string> out;
-             {
-               NoGil nogil;
-               out = s.gather_recv(key, data, timeout);
-             }
+             std::vector<std::string> out = nogil([&] { return s.gather_recv(key, data, timeout); });
              return to_list(out);
            })
       .def("scatter_send",
            [](StoreCollectives& s, const Key& key, const std::vector<std::string>& data, double timeout) {
-             std::string out;
-             {
-               NoGil nogil;
-               out = s.scatter_send(key, data, timeout);
-             }
+             std::string out = nogil([&] { return s.scatter_send(key, data, timeout); });
              return py::bytes(out);
            })
       .def("scatter_recv",
            [](StoreCollectives& s, const Key& key, double timeout) {
-             std::string out;
-             {
-               NoGil nogil;
-               out = s.scatter_recv(key, timeout);
-             }
+             std::string out = nogil([&] { return s.scatter_recv(key, timeout); });
              return py::bytes(out);
            })
       .def("all_gather",
            [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
-             torch_ctrl::Gathered out;
-             {
-               NoGil nogil;
-               out = s.all_gather(key, data, timeout);
-             }
+             torch_ctrl::Gathered out = nogil([&] { return s.all_gather(key, data, timeout); });
              py::list values(out.values.size());  // one bytes object per rank, copied from the log
              for (size_t i = 0; i < out.values.size(); ++i) {
                values[i] = py::bytes(out.values[i].data(), out.values[i].size());
@@ -239,11 +233,11 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("all_sum",
            [](StoreCollectives& s, const Key& key, int64_t data, double timeout) {
-             NoGil nogil;
-             return s.all_sum(key, data, timeout);
+             return nogil([&] { return s.all_sum(key, data, timeout); });
            })
-      .def("close", &StoreCollectives::close, py::arg("flush_timeout"),
-           py::call_guard<NoGil>())
+      .def(
+          "close", [](StoreCollectives& s, double flush_timeout) { nogil([&] { s.close(flush_timeout); }); },
+          py::arg("flush_timeout"))
       .def_property_readonly("rank", &StoreCollectives::rank)
       .def_property_readonly("world_size", &StoreCollectives::world_size);
 }

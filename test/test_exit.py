@@ -78,6 +78,29 @@ del holder
 """
 
 
+# Daemon threads still running collectives back to back when the script ends: some of their
+# calls return while the interpreter finalizes, or wait for the GIL as it starts.
+RUNNING_AT_EXIT = """
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+running = threading.Barrier(3)
+
+def churn(r):
+    coll = impl(dist.TCPStore("127.0.0.1", server.port, is_master=False), r, 2)
+    coll.all_gather("first", b"x", timeout=30)
+    running.wait()
+    i = 0
+    while True:
+        coll.all_gather(f"g{i}", b"x", timeout=30)
+        i += 1
+
+for r in range(2):
+    threading.Thread(target=churn, args=(r,), daemon=True).start()
+running.wait()
+time.sleep(0.3)  # the threads are in their loop (not synchronization: any time works)
+print("main exits", flush=True)
+"""
+
+
 def _run_many(tmp_path: Path, body: str, impl: str, runs: int) -> list[subprocess.CompletedProcess]:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(_PRELUDE) + textwrap.dedent(body))
@@ -112,3 +135,11 @@ def test_extension_call_returning_while_finalizing_parks_its_thread(tmp_path: Pa
     results = _run_many(tmp_path, CALL_RETURNS_WHILE_FINALIZING, "cpp", 2)
     _assert_clean(results)
     assert all("finalizing" in res.stdout for res in results)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif("cpp" not in IMPL_LIST, reason="the C++ extension is not in use")
+def test_exit_with_daemon_threads_running_collectives(tmp_path: Path) -> None:
+    # The Python implementation cannot pass this: its store calls are torch's bindings, and a
+    # daemon thread calling TCPStore.add in a loop aborts the process at exit with torch alone.
+    _assert_clean(_run_many(tmp_path, RUNNING_AT_EXIT, "cpp", RUNS))
