@@ -409,3 +409,22 @@ def test_torchrun_job_stuck_in_a_worker_barrier() -> None:
         assert "barrier 'stuck'; 2/3 arrived; blocked: [0, 2]; missing: [1]" in out.stdout, out.stdout
     finally:
         node.kill()
+
+
+@pytest.mark.timeout(30)
+def test_a_key_deleted_after_its_check_does_not_stall_a_sample() -> None:
+    """On a live job a listed and checked key can be deleted by its group's cleanup before it
+    is read, and TCPStore's multi_get would then wait for it until the connection's timeout
+    (``--timeout``): a sample froze for that long. The batch read of a connection of the
+    inspector's own waits at most READ_WAIT, then reads the keys one by one, and the
+    connection's timeout is restored (the test's own timeout is below the connection's)."""
+    from torch_ctrl import inspection
+
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore(HOST, server.port, is_master=False, timeout=timedelta(seconds=120))
+    server.set("present", b"1")
+    # multi_get of a checked batch in which "gone" was deleted meanwhile:
+    with pytest.raises(dist.DistStoreError):
+        inspection._read_existing(client, ["present", "gone"], owned=True)
+    assert client.timeout == timedelta(seconds=120)
+    assert inspection.read_values(client, ["present", "gone"], owned=True) == {"present": b"1", "gone": None}

@@ -32,11 +32,13 @@ import torch.distributed as dist
 
 from . import keys as K
 from . import rdzv_state as R
+from .lanes import peek
 
 SCHEMA = "torch_ctrl.inspect/1"
 STOPPED_AFTER = 3  # beats of another rank seen while a rank's counter stood still
 MAX_PROBE_WORLD = 1024  # world sizes probed on stores that cannot list their keys
 _BATCH = 2048  # keys per check + multi_get
+READ_WAIT = 0.2  # seconds a batch read may wait for a key that was deleted after it was checked
 _KEY = re.compile(r"^(.*?)" + re.escape(K.PROTOCOL) + r"/w(\d+)/([^/]+)/(.+)$")
 _SLOT = re.compile(r"^r(\d+)$")
 _READ_FIELDS = (K.ARRIVE, K.EXIT, K.NAMES, K.LOG)
@@ -265,24 +267,51 @@ def _clone(store: dist.Store, timeout: float) -> dist.Store:
     return mine
 
 
-def read_values(store: dist.Store, keys: Sequence[str]) -> dict[str, bytes | None]:
-    """``{key: value or None}`` without waiting and without writing: ``check`` then
-    ``multi_get`` per batch; a key deleted between the two falls back to one key at a time."""
+def read_values(store: dist.Store, keys: Sequence[str], owned: bool = False) -> dict[str, bytes | None]:
+    """``{key: value or None}`` without writing: ``check`` then ``multi_get`` per batch, each key
+    read without waiting when a batch is incomplete.
+
+    On a live job a listed (and checked) key can be deleted by its group's cleanup before it
+    is read, and TCPStore's ``multi_get`` then waits for it until the connection's timeout:
+    on a connection of our own (``owned``) the batch read waits at most ``READ_WAIT`` seconds
+    before its keys are read one by one."""
     out: dict[str, bytes | None] = {}
     for start in range(0, len(keys), _BATCH):
         batch = list(keys[start : start + _BATCH])
         try:
             if store.check(batch):
-                out.update(zip(batch, (bytes(v) for v in store.multi_get(batch))))
+                out.update(zip(batch, _read_existing(store, batch, owned)))
                 continue
         except Exception:  # noqa: BLE001 - a key went away in between: read one by one
             pass
         for key in batch:
-            try:
-                out[key] = bytes(store.get(key)) if store.check([key]) else None
-            except Exception:  # noqa: BLE001 - deleted between check and get
-                out[key] = None
+            out[key] = _read_one(store, key)
     return out
+
+
+def _read_existing(store: dist.Store, batch: list[str], owned: bool) -> list[bytes]:
+    """``multi_get`` of keys that existed a moment ago, waiting at most ``READ_WAIT`` on a
+    connection of ours (its timeout is restored)."""
+    if not owned:
+        return [bytes(v) for v in store.multi_get(batch)]
+    previous = store.timeout
+    store.set_timeout(timedelta(seconds=READ_WAIT))
+    try:
+        return [bytes(v) for v in store.multi_get(batch)]
+    finally:
+        store.set_timeout(previous)
+
+
+def _read_one(store: dist.Store, key: str) -> bytes | None:
+    """One key, never waiting: ``compare_set`` that cannot match (stores without it: check + get)."""
+    try:
+        return peek(store, key)
+    except Exception:  # noqa: BLE001 - stores without compare_set
+        pass
+    try:
+        return bytes(store.get(key)) if store.check([key]) else None
+    except Exception:  # noqa: BLE001 - deleted between check and get
+        return None
 
 
 def list_keys(store: dist.Store) -> list[str] | None:
@@ -348,6 +377,8 @@ class Inspector:
         self.address = store if isinstance(store, str) else _address(store)
         self._timeout = timeout
         self._store = connect(store, timeout) if isinstance(store, str) else _clone(store, timeout)
+        # A connection of ours (its timeout may be changed for a read), not the caller's store.
+        self._owned = isinstance(store, str) or self._store is not store
         self._prefix = prefix or ""
         self._follow = follow
         self._ops: dict[tuple[str, str, int, str], _Seen] = {}
@@ -403,7 +434,7 @@ class Inspector:
             if run["native"]:
                 run["current"], native_keys = R.native_keys_to_read(run_id, run["native"])
                 wanted += native_keys
-        values = read_values(store, wanted)
+        values = read_values(store, wanted, self._owned)
         heads = self._slot_heads(groups, values)
         report["torch_ctrl_keys"] = sum(1 for k in keys if _KEY.match(k))
         for _, g in sorted(groups.items()):
@@ -420,7 +451,7 @@ class Inspector:
                 if op.slots and K.NAMES in op.fields and len(op.slots) < g.world:
                     wanted[(g.prefix, g.world, token)] = [f"{root}{token}/r{r}" for r in sorted(op.slots)[:8]]
         flat = [k for ks in wanted.values() for k in ks]
-        read = read_values(self._store, flat) if flat else {}
+        read = read_values(self._store, flat, self._owned) if flat else {}
         return {where: [v for v in (read.get(k) for k in ks) if v is not None] for where, ks in wanted.items()}
 
     def _group(self, g: _GroupKeys, values: dict[str, bytes | None], heads: dict, now: float) -> dict[str, Any]:
