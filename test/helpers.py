@@ -3,6 +3,7 @@ a runner that executes one function per rank on its own thread."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
@@ -13,14 +14,21 @@ from typing import Any
 import torch.distributed as dist
 
 import torch_ctrl
-from torch_ctrl import PyStoreCollectives
+from torch_ctrl import PyStoreCollectives, capabilities, lanes
 
 # The C++ implementation where the extension is usable with this torch (the loader's checks);
 # on a pure-Python install the suite runs the Python implementation alone.
 CppStoreCollectives = torch_ctrl.StoreCollectives if torch_ctrl.backend() == "cpp" else None
 
 HOST = "127.0.0.1"
-_CONNECT = threading.Lock()
+# torch 2.6 constructs a Python TCPStore without holding the GIL, pybind11's registration of
+# the new object included: any torch object made or freed by another thread meanwhile (a store,
+# an instance of ours) can corrupt pybind11's registry, and the process aborts later ("Tried to
+# deallocate unregistered instance"). Test threads therefore make their clients, and make and
+# free their instances, under the lock torch_ctrl's own lanes take to construct clients there
+# (torches without clone()); elsewhere they run concurrently, as users' threads do.
+_CONNECT = lanes._CONNECT
+_SERIAL = not capabilities.CLONE
 
 
 class DictStore(dist.Store):
@@ -170,11 +178,14 @@ def run_group(
     """``fn(coll, rank)`` on every rank, each with its own store client and instance."""
 
     def body(rank: int) -> Any:
-        coll = make(impl, stores.client(rank), rank, world_size)
+        with _CONNECT if _SERIAL else contextlib.nullcontext():
+            coll = make(impl, stores.client(rank), rank, world_size)
         try:
             return fn(coll, rank)
         finally:
             coll.close()
+            with _CONNECT if _SERIAL else contextlib.nullcontext():
+                del coll  # freed here, not when the thread ends (see _CONNECT)
 
     return run_ranks(world_size, body, timeout)
 

@@ -152,8 +152,9 @@ if hasattr(os, "register_at_fork"):
 # torch 2.6's TCPStore constructor registers its Python object without holding the GIL: two
 # threads constructing clients at once can corrupt pybind11's registry (the process aborts
 # with "Tried to deallocate unregistered instance"). Those torches have no clone(), so lanes
-# construct clients there: one at a time.
-_CONNECT = threading.Lock()
+# construct clients there: one at a time (re-entrant: a caller may hold it around its own
+# construction of torch objects, as the test suite does).
+_CONNECT = threading.RLock()
 
 
 def new_client(store: dist.TCPStore, connect_timeout: float | None = None) -> dist.TCPStore:
