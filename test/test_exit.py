@@ -18,6 +18,7 @@ import pytest
 from helpers import IMPLS
 
 IMPL_LIST = [i for i in IMPLS if i != "mixed"]
+STORES = ["raw", "prefix"]  # a raw TCPStore client, and a PrefixStore over one (what torchrun hands out)
 RUNS = 6  # at once: without the fix the Python implementation aborted in about 4 of 10 runs
 
 _PRELUDE = """
@@ -26,6 +27,10 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch_ctrl
 impl = torch_ctrl.PyStoreCollectives if sys.argv[1] == "python" else torch_ctrl.StoreCollectives
+
+
+def wrap(client):  # what ranks hold: a raw TCPStore client, or a PrefixStore over one
+    return dist.PrefixStore("job/", client) if sys.argv[2] == "prefix" else client
 """
 
 # Two ranks of three block in a barrier on daemon threads, with heartbeats; the script ends.
@@ -36,7 +41,7 @@ server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 ready = threading.Barrier(3)
 
 def rank(r):
-    client = dist.TCPStore("127.0.0.1", server.port, is_master=False)
+    client = wrap(dist.TCPStore("127.0.0.1", server.port, is_master=False))
     coll = impl(client, r, 3, heartbeat_interval=timedelta(seconds=0.1))
     ready.wait()
     coll.barrier("never-complete", timeout=timedelta(seconds=60))
@@ -65,7 +70,7 @@ holder = Holder()
 ready = threading.Event()
 
 def receiver():
-    client = dist.TCPStore("127.0.0.1", holder.server.port, is_master=False)
+    client = wrap(dist.TCPStore("127.0.0.1", holder.server.port, is_master=False))
     coll = impl(client, 1, 2)
     ready.set()
     coll.broadcast_recv("never-sent", timeout=timedelta(seconds=60))
@@ -85,7 +90,7 @@ server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 running = threading.Barrier(3)
 
 def churn(r):
-    coll = impl(dist.TCPStore("127.0.0.1", server.port, is_master=False), r, 2)
+    coll = impl(wrap(dist.TCPStore("127.0.0.1", server.port, is_master=False)), r, 2)
     coll.all_gather("first", b"x", timeout=30)
     running.wait()
     i = 0
@@ -101,11 +106,13 @@ print("main exits", flush=True)
 """
 
 
-def _run_many(tmp_path: Path, body: str, impl: str, runs: int) -> list[subprocess.CompletedProcess]:
+def _run_many(tmp_path: Path, body: str, impl: str, runs: int, store: str = "raw") -> list[subprocess.CompletedProcess]:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(_PRELUDE) + textwrap.dedent(body))
     procs = [
-        subprocess.Popen([sys.executable, str(script), impl], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, str(script), impl, store], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(runs)
     ]
     done = []
@@ -122,24 +129,27 @@ def _assert_clean(results: list[subprocess.CompletedProcess]) -> None:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("store", STORES)
 @pytest.mark.parametrize("impl", IMPL_LIST)
-def test_exit_with_daemon_threads_blocked_in_a_collective(tmp_path: Path, impl: str) -> None:
-    _assert_clean(_run_many(tmp_path, BLOCKED_AT_EXIT, impl, RUNS))
+def test_exit_with_daemon_threads_blocked_in_a_collective(tmp_path: Path, impl: str, store: str) -> None:
+    _assert_clean(_run_many(tmp_path, BLOCKED_AT_EXIT, impl, RUNS, store))
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif("cpp" not in IMPL_LIST, reason="the C++ extension is not in use")
-def test_extension_call_returning_while_finalizing_parks_its_thread(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", STORES)
+def test_extension_call_returning_while_finalizing_parks_its_thread(tmp_path: Path, store: str) -> None:
     # torch's own bindings abort the process here (so does the Python implementation, whose
     # store calls are torch's): the extension's calls must not.
-    results = _run_many(tmp_path, CALL_RETURNS_WHILE_FINALIZING, "cpp", 2)
+    results = _run_many(tmp_path, CALL_RETURNS_WHILE_FINALIZING, "cpp", 2, store)
     _assert_clean(results)
     assert all("finalizing" in res.stdout for res in results)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif("cpp" not in IMPL_LIST, reason="the C++ extension is not in use")
-def test_exit_with_daemon_threads_running_collectives(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", STORES)
+def test_exit_with_daemon_threads_running_collectives(tmp_path: Path, store: str) -> None:
     # The Python implementation cannot pass this: its store calls are torch's bindings, and a
     # daemon thread calling TCPStore.add in a loop aborts the process at exit with torch alone.
-    _assert_clean(_run_many(tmp_path, RUNNING_AT_EXIT, "cpp", RUNS))
+    _assert_clean(_run_many(tmp_path, RUNNING_AT_EXIT, "cpp", RUNS, store))

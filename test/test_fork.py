@@ -51,20 +51,26 @@ _SERVER = (
 )
 
 
-def _check(impl: str, run_child, path: str) -> None:  # noqa: ANN001
+def _client(store: str, port: int) -> dist.Store:
+    """A raw TCPStore client, or a PrefixStore over one (what torchrun and from_env() hand out)."""
+    client = dist.TCPStore(HOST, port, is_master=False)
+    return dist.PrefixStore("job/", client) if store == "prefix" else client
+
+
+def _check(impl: str, run_child, path: str, store: str) -> None:  # noqa: ANN001
     with subprocess.Popen(
         [sys.executable, "-c", _SERVER, HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     ) as server:
         try:
             assert server.stdout is not None
-            _check_with(impl, run_child, path, int(server.stdout.readline()))
+            _check_with(impl, run_child, path, int(server.stdout.readline()), store)
         finally:
             server.kill()
 
 
-def _check_with(impl: str, run_child, path: str, port: int) -> None:  # noqa: ANN001
-    parent = make(impl, dist.TCPStore(HOST, port, is_master=False), 0, 2)
-    peer = make(impl, dist.TCPStore(HOST, port, is_master=False), 1, 2)
+def _check_with(impl: str, run_child, path: str, port: int, store: str) -> None:  # noqa: ANN001
+    parent = make(impl, _client(store, port), 0, 2)
+    peer = make(impl, _client(store, port), 1, 2)
     # Used before the fork, so lanes and the watcher thread exist and are inherited.
     from helpers import run_ranks
 
@@ -93,23 +99,25 @@ def _check_with(impl: str, run_child, path: str, port: int) -> None:  # noqa: AN
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("store", ["raw", "prefix"])
 @pytest.mark.parametrize("impl", IMPL_LIST)
-def test_multiprocessing_fork_child(impl: str, tmp_path) -> None:  # noqa: ANN001
+def test_multiprocessing_fork_child(impl: str, store: str, tmp_path) -> None:  # noqa: ANN001
     def run(body) -> None:  # noqa: ANN001
         proc = mp.get_context("fork").Process(target=body)
         proc.start()
         _check.procs.append(proc)
 
     _check.procs = []  # type: ignore[attr-defined]
-    _check(impl, run, str(tmp_path / "store"))
+    _check(impl, run, str(tmp_path / "store"), store)
     for proc in _check.procs:  # type: ignore[attr-defined]
         proc.join(60)
         assert proc.exitcode == 0
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("store", ["raw", "prefix"])
 @pytest.mark.parametrize("impl", IMPL_LIST)
-def test_os_fork_child(impl: str, tmp_path) -> None:  # noqa: ANN001
+def test_os_fork_child(impl: str, store: str, tmp_path) -> None:  # noqa: ANN001
     pids = []
 
     def run(body) -> None:  # noqa: ANN001
@@ -127,7 +135,7 @@ def test_os_fork_child(impl: str, tmp_path) -> None:  # noqa: ANN001
                 os._exit(code)
         pids.append(pid)
 
-    _check(impl, run, str(tmp_path / "store"))
+    _check(impl, run, str(tmp_path / "store"), store)
     for pid in pids:
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
