@@ -84,9 +84,26 @@ def test_keyless_sequence_mixes_ops(impl: str, stores: Stores) -> None:
     assert all(o == ([b"x0", b"x1", b"x2", b"x3"], 6, b"hi") for o in out)
 
 
+def _drops_large_values(stores: Stores) -> bool:
+    """Whether this TCPStore server drops connections that send large values: torch 2.7.1's
+    libuv server does, intermittently, from about 128 KiB (1 MiB values failed on 37 of 40 new
+    connections; its legacy server on none). Probed with 1 MiB values on new connections."""
+    for i in range(5):
+        client = stores.client(-1)
+        try:
+            client.set(f"probe/{i}", b"x" * (1 << 20))
+            client.get(f"probe/{i}")
+        except Exception:  # noqa: BLE001 - the connection was dropped
+            return True
+    return False
+
+
+@pytest.mark.parametrize("kind", ["tcp", "tcp_nolibuv"])
 @pytest.mark.parametrize("size", [0, 1, 16 * 1024 * 1024])
-def test_payload_sizes(impl: str, size: int) -> None:
-    stores = Stores("tcp")
+def test_payload_sizes(impl: str, size: int, kind: str) -> None:
+    stores = Stores(kind)
+    if size > 1 << 20 and kind == "tcp" and _drops_large_values(stores):
+        pytest.skip("this torch's libuv TCPStore server drops connections that send values over ~128 KiB")
     blob = bytes(range(256)) * (size // 256) + b"\x00" * (size % 256)
 
     def fn(coll, rank):
