@@ -249,8 +249,13 @@ void Lane::wait_polled(const std::vector<std::string>& keys, double seconds) {
   while (!store->check(keys)) {
     auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
+      // Twin of Lane._wait_sliced's text.
       std::ostringstream msg;
-      msg << "wait timeout after " << seconds << "s";
+      msg << "wait timeout after " << seconds << "s, keys: [";
+      for (size_t i = 0; i < keys.size(); ++i) {
+        msg << (i ? ", '" : "'") << keys[i] << "'";
+      }
+      msg << "]";
       throw c10::DistStoreError(msg.str());
     }
     std::this_thread::sleep_for(std::min(std::chrono::duration<double>(pause), std::chrono::duration<double>(deadline - now)));
