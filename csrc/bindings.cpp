@@ -1,6 +1,7 @@
 // pybind11 bindings: module torch_ctrl._C. Every call releases the GIL while it
 // talks to the store; C++ exceptions become torch_ctrl.errors exceptions, built by
 // the same Python functions the pure-Python implementation uses.
+#include "arguments.h"
 #include "compat.h"
 #include "errors.h"
 #include "keys.h"
@@ -14,6 +15,8 @@
 #include <thread>
 #include <type_traits>
 
+#include <unistd.h>
+
 // setup.py defines TORCH_CTRL_TORCH_VERSION as the bare version (2.13.0+cpu): a string
 // literal would not survive every build tool's quoting.
 #ifndef TORCH_CTRL_TORCH_VERSION
@@ -25,6 +28,7 @@
 namespace py = pybind11;
 using torch_ctrl::Key;
 using torch_ctrl::StoreCollectives;
+namespace arguments = torch_ctrl::arguments;
 
 namespace {
 
@@ -103,6 +107,16 @@ void translate(std::exception_ptr p) {
   }
 }
 
+// An instance used in a process forked from the one that made it: one error line (its
+// connections and watcher thread belong to the parent).
+void check_owner(const StoreCollectives& s, const char* op) {
+  pid_t pid = getpid();
+  if (pid != s.owner_pid()) {
+    raise_from("forked_error", py::make_tuple(op, s.owner_pid(), pid));
+    throw py::error_already_set();
+  }
+}
+
 py::list to_list(const std::vector<std::string>& values) {
   py::list out;
   for (const auto& v : values) {
@@ -116,6 +130,7 @@ py::list to_list(const std::vector<std::string>& values) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_ctrl C++ implementation of StoreCollectives";
   py::register_exception_translator(&translate);
+  PyDateTime_IMPORT;
   torch_ctrl::python_delete_key = [](c10d::Store& store, const std::string& key) {
     py::gil_scoped_acquire gil;
     py::object obj = py::cast(c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store));
@@ -181,6 +196,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("_op_prefix", &torch_ctrl::keys::op_prefix, "Key prefix of one collective (for layout tests).");
   m.def("_base_key", &torch_ctrl::base_key, "The store under any PrefixStores, and the key as it sees it.");
 
+  // The collective methods take the Python arguments as they come (csrc/arguments.h converts
+  // them, as torch_ctrl/base.py's helpers do), with the Python signatures and defaults: the
+  // Python class binds them to its instances directly, so a call runs no Python code of ours.
+  py::object no_key = py::none();
+  py::object default_timeout = arguments::base().attr("DEFAULT_TIMEOUT");
   py::class_<StoreCollectives, std::shared_ptr<StoreCollectives>>(m, "StoreCollectives")
       .def(py::init([](c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::optional<double> hb) {
              return nogil([&] { return std::make_shared<StoreCollectives>(std::move(store), rank, world, hb); });
@@ -188,53 +208,106 @@ PYBIND11_MODULE(_C, m) {
            py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("heartbeat_interval") = py::none())
       .def("abort",
            [](StoreCollectives& s, const std::string& reason) {
+             check_owner(s, "abort");
              nogil([&] { s.abort(reason); });
            })
-      .def("barrier",
-           [](StoreCollectives& s, const Key& key, double timeout, bool block) {
-             nogil([&] { s.barrier(key, timeout, block); });
-           })
-      .def("broadcast_send",
-           [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
-             nogil([&] { s.broadcast_send(key, data, timeout); });
-           })
-      .def("broadcast_recv",
-           [](StoreCollectives& s, const Key& key, double timeout) {
-             std::string out = nogil([&] { return s.broadcast_recv(key, timeout); });
-             return py::bytes(out);
-           })
-      .def("gather_send",
-           [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
-             nogil([&] { s.gather_send(key, data, timeout); });
-           })
-      .def("gather_recv",
-           [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
-             std::vector<std::string> out = nogil([&] { return s.gather_recv(key, data, timeout); });
-             return to_list(out);
-           })
-      .def("scatter_send",
-           [](StoreCollectives& s, const Key& key, const std::vector<std::string>& data, double timeout) {
-             std::string out = nogil([&] { return s.scatter_send(key, data, timeout); });
-             return py::bytes(out);
-           })
-      .def("scatter_recv",
-           [](StoreCollectives& s, const Key& key, double timeout) {
-             std::string out = nogil([&] { return s.scatter_recv(key, timeout); });
-             return py::bytes(out);
-           })
-      .def("all_gather",
-           [](StoreCollectives& s, const Key& key, const std::string& data, double timeout) {
-             torch_ctrl::Gathered out = nogil([&] { return s.all_gather(key, data, timeout); });
-             py::list values(out.values.size());  // one bytes object per rank, copied from the log
-             for (size_t i = 0; i < out.values.size(); ++i) {
-               values[i] = py::bytes(out.values[i].data(), out.values[i].size());
-             }
-             return values;
-           })
-      .def("all_sum",
-           [](StoreCollectives& s, const Key& key, int64_t data, double timeout) {
-             return nogil([&] { return s.all_sum(key, data, timeout); });
-           })
+      .def(
+          "barrier",
+          [](StoreCollectives& s, py::handle key, py::handle timeout, py::handle block) {
+            check_owner(s, "barrier");
+            Key k = arguments::key(key);
+            double t = arguments::seconds(timeout);
+            bool b = arguments::truth(block);
+            nogil([&] { s.barrier(k, t, b); });
+          },
+          py::arg("key") = no_key, py::arg("timeout") = default_timeout, py::arg("block") = true)
+      .def(
+          "broadcast_send",
+          [](StoreCollectives& s, py::handle key, py::handle data, py::handle timeout) {
+            check_owner(s, "broadcast_send");
+            std::string d = arguments::data(data);
+            Key k = arguments::key(key);
+            double t = arguments::seconds(timeout);
+            nogil([&] { s.broadcast_send(k, d, t); });
+          },
+          py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
+      .def(
+          "broadcast_recv",
+          [](StoreCollectives& s, py::handle key, py::handle timeout) {
+            check_owner(s, "broadcast_recv");
+            Key k = arguments::key(key);
+            double t = arguments::seconds(timeout);
+            std::string out = nogil([&] { return s.broadcast_recv(k, t); });
+            return py::bytes(out);
+          },
+          py::arg("key") = no_key, py::arg("timeout") = default_timeout)
+      .def(
+          "gather_send",
+          [](StoreCollectives& s, py::handle key, py::handle data, py::handle timeout) {
+            check_owner(s, "gather_send");
+            std::string d = arguments::data(data);
+            Key k = arguments::key(key);
+            double t = arguments::seconds(timeout);
+            nogil([&] { s.gather_send(k, d, t); });
+          },
+          py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
+      .def(
+          "gather_recv",
+          [](StoreCollectives& s, py::handle key, py::handle data, py::handle timeout) {
+            check_owner(s, "gather_recv");
+            std::string d = arguments::data(data);
+            Key k = arguments::key(key);
+            double t = arguments::seconds(timeout);
+            std::vector<std::string> out = nogil([&] { return s.gather_recv(k, d, t); });
+            return to_list(out);
+          },
+          py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
+      .def(
+          "scatter_send",
+          [](StoreCollectives& s, py::handle key, py::handle data, py::handle timeout) {
+            check_owner(s, "scatter_send");
+            std::vector<std::string> d = arguments::data_list(data, s.world_size());
+            Key k = arguments::key(key);
+            double t = arguments::seconds(timeout);
+            std::string out = nogil([&] { return s.scatter_send(k, d, t); });
+            return py::bytes(out);
+          },
+          py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
+      .def(
+          "scatter_recv",
+          [](StoreCollectives& s, py::handle key, py::handle timeout) {
+            check_owner(s, "scatter_recv");
+            Key k = arguments::key(key);
+            double t = arguments::seconds(timeout);
+            std::string out = nogil([&] { return s.scatter_recv(k, t); });
+            return py::bytes(out);
+          },
+          py::arg("key") = no_key, py::arg("timeout") = default_timeout)
+      .def(
+          "all_gather",
+          [](StoreCollectives& s, py::handle key, py::handle data, py::handle timeout) {
+            check_owner(s, "all_gather");
+            std::string d = arguments::data(data);
+            Key k = arguments::key(key);
+            double t = arguments::seconds(timeout);
+            torch_ctrl::Gathered out = nogil([&] { return s.all_gather(k, d, t); });
+            py::list values(out.values.size());  // one bytes object per rank, copied from the log
+            for (size_t i = 0; i < out.values.size(); ++i) {
+              values[i] = py::bytes(out.values[i].data(), out.values[i].size());
+            }
+            return values;
+          },
+          py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
+      .def(
+          "all_sum",
+          [](StoreCollectives& s, py::handle key, py::handle data, py::handle timeout) {
+            check_owner(s, "all_sum");
+            int64_t d = arguments::int64(data);
+            Key k = arguments::key(key);
+            double t = arguments::seconds(timeout);
+            return nogil([&] { return s.all_sum(k, d, t); });
+          },
+          py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
       .def(
           "close", [](StoreCollectives& s, double flush_timeout) { nogil([&] { s.close(flush_timeout); }); },
           py::arg("flush_timeout"))

@@ -20,6 +20,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include <unistd.h>
+
 namespace torch_ctrl {
 
 using Key = std::optional<std::string>;
@@ -65,6 +67,8 @@ class StoreCollectives {
 
   int rank() const { return rank_; }
   int world_size() const { return world_; }
+  // The process that made this instance (a forked child must not use it).
+  pid_t owner_pid() const { return owner_pid_; }
 
  private:
   Op begin(const std::string& name, const Key& key, double timeout);
@@ -113,6 +117,7 @@ class StoreCollectives {
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
   int world_;
+  pid_t owner_pid_ = getpid();
   std::shared_ptr<Lanes> lanes_;
   std::unique_ptr<Watcher> watcher_;
   std::mutex mutex_;

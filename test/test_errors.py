@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from helpers import DictStore, Stores, make, run_ranks
+from helpers import CppStoreCollectives, DictStore, Stores, make, run_ranks
 
 import torch_ctrl
 from torch_ctrl import CollectiveTimeoutError, KeyReusedError
@@ -218,3 +218,91 @@ def test_store_error_is_one_line(impl: str) -> None:
         coll.broadcast_recv("gone", 5)
     _one_line(info.value)
     assert isinstance(info.value, dist.DistStoreError)
+
+
+class _Index:
+    """An int-like object (``operator.index`` accepts it), like numpy's integers."""
+
+    def __index__(self) -> int:
+        return 7
+
+
+class _Key(str):
+    pass
+
+
+# (method, kwargs) on a group of one: each either returns or raises at once, without peers.
+ARGUMENT_CALLS = [
+    ("barrier", dict(key=_Key("sub"))),
+    ("barrier", dict(key="k", timeout=5)),
+    ("barrier", dict(key="k", timeout=2.5)),
+    ("barrier", dict(key="k", timeout=-0.0)),
+    ("barrier", dict(key="k", timeout=True)),
+    ("barrier", dict(key="k", timeout=float("nan"))),
+    ("barrier", dict(key="k", timeout=10**400)),
+    ("barrier", dict(key="k", timeout=timedelta.max)),
+    ("barrier", dict(key="k", timeout=timedelta(days=-1, seconds=5))),
+    ("barrier", dict(key="k", block=0)),
+    ("barrier", dict(key="k", block="")),
+    ("barrier", dict(key=1)),
+    ("barrier", dict(key="lone \udcff surrogate")),
+    ("barrier", dict(key=_Key("lone \udcff surrogate"))),
+    ("broadcast_send", dict(key="k", data=bytearray(b"ba"))),
+    ("broadcast_send", dict(key="k", data=None, timeout="x")),
+    ("gather_recv", dict(key="k", data=memoryview(b"mv"))),
+    ("gather_recv", dict(key="k", data="é")),
+    ("gather_recv", dict(key=b"k", data=b"x")),
+    ("scatter_send", dict(key="k", data=(b"t",))),
+    ("scatter_send", dict(key="k", data=[bytearray(b"l")])),
+    ("scatter_send", dict(key="k", data=[b"a", b"b"])),
+    ("scatter_send", dict(key="k", data=[None])),
+    ("scatter_send", dict(key="k", data="s")),
+    ("all_gather", dict(key="k", data="text")),
+    ("all_gather", dict(key="k", data=[b"x"])),
+    ("all_sum", dict(key="k", data=_Index())),
+    ("all_sum", dict(key="k", data=-(1 << 63))),
+    ("all_sum", dict(key="k", data=True)),
+    ("all_sum", dict(key="k", data=1 << 64)),
+    ("all_sum", dict(key="k", data=2.0)),
+]
+
+
+def _outcome(impl: str, method: str, kwargs: dict) -> tuple:
+    coll = make(impl, dist.HashStore(), 0, 1)
+    try:
+        return ("returned", getattr(coll, method)(**kwargs))
+    except Exception as exc:  # noqa: BLE001 - compared below
+        return ("raised", type(exc), str(exc))
+    finally:
+        coll.close()
+
+
+@pytest.mark.skipif(CppStoreCollectives is None, reason="C++ extension not built")
+@pytest.mark.parametrize("method, kwargs", ARGUMENT_CALLS)
+def test_arguments_convert_alike_in_both_implementations(method: str, kwargs: dict) -> None:
+    """The C++ class converts arguments itself (csrc/arguments.h); every type either twin
+    accepts gives the same result, every type it refuses the same exception and message."""
+    assert _outcome("cpp", method, kwargs) == _outcome("python", method, kwargs)
+
+
+@pytest.mark.skipif(CppStoreCollectives is None, reason="C++ extension not built")
+def test_the_calls_go_straight_to_cpp_unless_overridden() -> None:
+    """An instance's collective methods are the C++ ones (no Python frame per call), except
+    those a subclass overrides, and the naming mixin's when it has names to add."""
+    store = dist.HashStore()
+    calls = []
+
+    class Mine(CppStoreCollectives):  # type: ignore[misc, valid-type]
+        def barrier(self, key=None, timeout=30.0, block=True):  # noqa: ANN001, ANN202
+            calls.append(key)
+            super().barrier(key, timeout, block)
+
+    plain, mine = CppStoreCollectives(store, 0, 1), Mine(store, 0, 1)
+    assert "barrier" in vars(plain) and "barrier" not in vars(mine) and "all_sum" in vars(mine)
+    mine.barrier("b")
+    assert calls == ["b"] and mine.all_sum("s", 3) == 3
+    named = torch_ctrl.with_rank_names(CppStoreCollectives)
+    assert "all_gather" in vars(named(store, 0, 1))
+    assert "all_gather" not in vars(named(store, 0, 1, rank_names=["host-a"]))
+    for coll in (plain, mine):
+        coll.close()

@@ -392,8 +392,12 @@ def _int(name: str, value: object) -> int:
 
 
 def check_key(key: object) -> str | None:
-    """``None`` or a ``str``."""
-    if key is None or isinstance(key, str):
+    """``None`` or a ``str`` that is valid UTF-8 text (a lone surrogate raises
+    ``UnicodeEncodeError``, a ``ValueError``: the key could not be written to a store)."""
+    if key is None:
+        return key
+    if isinstance(key, str):
+        key.encode("utf-8")
         return key
     raise TypeError(f"key must be a str or None, got {type(key).__name__}")
 

@@ -1,7 +1,7 @@
 """``CppStoreCollectives``: the C++ implementation (``torch_ctrl._C``) behind the
-same Python interface. Arguments are checked here, with the helpers the Python
-implementation uses, so bad input fails identically and before any store traffic;
-the calls then run in C++ with the GIL released.
+same Python interface. Arguments are checked in C++ as the Python implementation's
+helpers check them (and by those helpers for unusual types), so bad input fails
+identically and before any store traffic; the calls then run with the GIL released.
 """
 
 from __future__ import annotations
@@ -20,17 +20,13 @@ import torch.distributed as dist
 from . import _C  # type: ignore[attr-defined]
 from .base import (
     DEFAULT_TIMEOUT,
+    METHODS,
     ControlCollectives,
     Data,
     Timeout,
     check_heartbeat,
     check_init,
-    check_key,
     check_reason,
-    to_bytes,
-    to_bytes_list,
-    to_int64,
-    to_seconds,
 )
 from .errors import forked_error
 
@@ -83,6 +79,7 @@ class CppStoreCollectives(ControlCollectives):
         self._rank, self._world = rank, world_size
         self._native = _C.StoreCollectives(store, rank, world_size, heartbeat)
         _LIVE.add(self)
+        self._shortcut()
 
     @property
     def _impl(self) -> Any:
@@ -101,46 +98,56 @@ class CppStoreCollectives(ControlCollectives):
         """Number of ranks in the group."""
         return self._world
 
+    # Each method hands its arguments to C++ as they are: csrc/arguments.h checks and converts
+    # them as base.py's helpers do (calling them for anything unusual), so errors are the
+    # Python twin's. __init__ binds the C++ methods to the instance (see _shortcut), so these
+    # bodies run only when a subclass calls them through super().
+
     def barrier(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT, block: bool = True) -> None:
-        self._impl.barrier(check_key(key), to_seconds(timeout), bool(block))
+        self._impl.barrier(key, timeout, block)
 
     def broadcast_send(
         self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> None:
-        payload = to_bytes(data)
-        self._impl.broadcast_send(check_key(key), payload, to_seconds(timeout))
+        self._impl.broadcast_send(key, data, timeout)
 
     def broadcast_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
-        return self._impl.broadcast_recv(check_key(key), to_seconds(timeout))
+        return self._impl.broadcast_recv(key, timeout)  # type: ignore[no-any-return]
 
     def gather_send(self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
-        payload = to_bytes(data)
-        self._impl.gather_send(check_key(key), payload, to_seconds(timeout))
+        self._impl.gather_send(key, data, timeout)
 
     def gather_recv(
         self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> list[bytes]:
-        payload = to_bytes(data)
-        return self._impl.gather_recv(check_key(key), payload, to_seconds(timeout))
+        return self._impl.gather_recv(key, data, timeout)  # type: ignore[no-any-return]
 
     def scatter_send(
         self, key: str | None = None, data: Sequence[Data] | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> bytes:
-        payloads = to_bytes_list(data, self.world_size)
-        return self._impl.scatter_send(check_key(key), payloads, to_seconds(timeout))
+        return self._impl.scatter_send(key, data, timeout)  # type: ignore[no-any-return]
 
     def scatter_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
-        return self._impl.scatter_recv(check_key(key), to_seconds(timeout))
+        return self._impl.scatter_recv(key, timeout)  # type: ignore[no-any-return]
 
     def all_gather(
         self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> list[bytes]:
-        payload = to_bytes(data)
-        return self._impl.all_gather(check_key(key), payload, to_seconds(timeout))
+        return self._impl.all_gather(key, data, timeout)  # type: ignore[no-any-return]
 
     def all_sum(self, key: str | None = None, data: int | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> int:
-        value = to_int64(data)
-        return self._impl.all_sum(check_key(key), value, to_seconds(timeout))
+        return self._impl.all_sum(key, data, timeout)  # type: ignore[no-any-return]
+
+    def _shortcut(self, transparent: tuple[type, ...] = ()) -> None:
+        """Bind the C++ methods to this instance, for every collective this class's own method
+        would run: a call then goes from the caller straight to C++ (no Python frame of ours,
+        which measurably slows short collectives when ranks share a GIL). A subclass that
+        overrides a method keeps its override; ``transparent`` classes are ones that only pass
+        calls through (naming.py's mixin without names)."""
+        for name in METHODS:
+            owner = next(k for k in type(self).__mro__ if name in vars(k) and k not in transparent)
+            if owner is CppStoreCollectives:
+                self.__dict__[name] = getattr(self._native, name)
 
     def abort(self, reason: str = "") -> None:
         """Mark the group (every instance on this store namespace and world size) as failed by

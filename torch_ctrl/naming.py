@@ -68,6 +68,9 @@ class _NamedErrors:
     def __init__(self, *args: Any, rank_names: Names | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._rank_names = rank_names
+        shortcut = getattr(self, "_shortcut", None)
+        if rank_names is None and shortcut is not None:
+            shortcut((_NamedErrors,))  # without names this class only passes calls through
 
 
 def _named_method(op: str) -> Callable[..., Any]:
