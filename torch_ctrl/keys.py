@@ -160,6 +160,8 @@ BAD_VALUE = "unexpected value in the store (not written by torch_ctrl?)"
 COLLISION = "another group uses the same store and keys (give each group its own PrefixStore)"
 _INT64 = re.compile(rb"-?[0-9]{1,19}")
 _SIZE = re.compile(rb"[0-9]{1,20}")
+# A log frame's head, b"{rank}:{size}:": what _INT64 and _SIZE accept, each up to its colon.
+_FRAME_HEAD = re.compile(rb"(-?[0-9]{1,19}):([0-9]{1,20}):")
 
 
 class DecodeError(ValueError):
@@ -216,12 +218,14 @@ def parse_frames(log: bytes, world_size: int | None = None) -> list[tuple[int, b
     out: list[tuple[int, bytes]] = []
     seen: set[int] = set()
     pos, end = 0, len(log)
+    head = _FRAME_HEAD.match  # one match per frame: every rank decodes all N frames
     while pos < end:
-        c1 = log.find(b":", pos)
-        c2 = log.find(b":", c1 + 1) if c1 >= 0 else -1
-        rank = _int64(log[pos:c1]) if c2 >= 0 else None
-        size_text = log[c1 + 1 : c2]
-        if rank is None or not _SIZE.fullmatch(size_text) or int(size_text) > end - (c2 + 1):
+        m = head(log, pos)
+        if m is None:
+            raise DecodeError("malformed log entry")
+        rank, start = int(m[1]), m.end()
+        size = int(m[2])
+        if not -(1 << 63) <= rank < (1 << 63) or size > end - start:
             raise DecodeError("malformed log entry")
         if rank != -1 and (rank < 0 or (world_size is not None and rank >= world_size)):
             raise DecodeError(f"frame of rank {rank} in a group of {world_size}")
@@ -229,8 +233,6 @@ def parse_frames(log: bytes, world_size: int | None = None) -> list[tuple[int, b
             if rank in seen:
                 raise DecodeError(f"two frames of rank {rank}: {COLLISION}")
             seen.add(rank)
-        start = c2 + 1
-        size = int(size_text)
         out.append((rank, bytes(log[start : start + size])))
         pos = start + size
     return out
