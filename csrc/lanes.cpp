@@ -276,13 +276,38 @@ bool Lane::fits(double seconds) {
 }
 
 std::string Lane::get(const std::string& key, double seconds) {
+  if (polled) {
+    return get_polled(key, seconds);
+  }
   if (!fits(seconds)) {
     wait({key}, seconds);
   }
   return str(store->get(key));
 }
 
+std::string Lane::get_polled(const std::string& key, double seconds) {
+  // Twin of Lane._get_polled: the look that finds the value also reads it.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  double pause = kFilePollFirst;
+  while (true) {
+    if (auto value = peek(key)) {
+      return std::move(*value);
+    }
+    auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      std::ostringstream msg;
+      msg << "wait timeout after " << seconds << "s, keys: ['" << key << "']";
+      throw c10::DistStoreError(msg.str());
+    }
+    std::this_thread::sleep_for(std::min(std::chrono::duration<double>(pause), std::chrono::duration<double>(deadline - now)));
+    pause = std::min(pause * 2, kFilePoll);
+  }
+}
+
 std::vector<std::string> Lane::multi_get(const std::vector<std::string>& keys, double seconds) {
+  if (polled && keys.size() == 1) {
+    return {get_polled(keys[0], seconds)};
+  }
   if (!fits(seconds)) {
     wait(keys, seconds);
   }

@@ -58,6 +58,7 @@ struct Lane {
   void arm(double seconds);
   bool fits(double seconds);
   void wait_polled(const std::vector<std::string>& keys, double seconds);
+  std::string get_polled(const std::string& key, double seconds);
 };
 
 class Lanes {

@@ -69,3 +69,47 @@ def test_no_op_costs_more_calls_than_torch(impl: str, world: int, inner_kind: st
     # and strictly fewer where torch's design is wasteful
     assert max(ours["barrier"]) < max(theirs["barrier"])
     assert max(ours["all_sum"]) < max(theirs["all_sum"])
+
+
+class _CountingFileStore(dist.FileStore):
+    """A real FileStore that counts the calls made through Python (the Python implementation's)."""
+
+    def __init__(self, path: str, world: int, calls: list[str] | None = None) -> None:
+        super().__init__(path, world)
+        self.args = (path, world)
+        self.calls: list[str] = [] if calls is None else calls
+
+    def clone(self) -> _CountingFileStore:  # a lane's own handle counts into the same list
+        return _CountingFileStore(*self.args, self.calls)
+
+    def compare_set(self, *args):  # noqa: ANN002, ANN201
+        self.calls.append("compare_set")
+        return super().compare_set(*args)
+
+    def check(self, *args):  # noqa: ANN002, ANN201
+        self.calls.append("check")
+        return super().check(*args)
+
+    def get(self, *args):  # noqa: ANN002, ANN201
+        self.calls.append("get")
+        return super().get(*args)
+
+
+def test_filestore_read_of_a_value_already_there_is_one_call(tmp_path) -> None:  # noqa: ANN001
+    """On a FileStore, a blocking read looks with one ``compare_set`` that also reads the
+    value (not ``check`` then ``get``, two passes over the file): one call when it is there."""
+    from torch_ctrl import PyStoreCollectives
+
+    root = PyStoreCollectives(dist.FileStore(str(tmp_path / "f"), 2), 0, 2)
+    store = _CountingFileStore(str(tmp_path / "f"), 2)
+    leaf = PyStoreCollectives(store, 1, 2)
+    root.broadcast_send("bc", b"payload", 30)
+    before = len(store.calls)
+    assert leaf.broadcast_recv("bc", 30) == b"payload"
+    assert store.calls[before:] == ["compare_set"]
+    root.scatter_send("s", [b"a", b"b"], 30)
+    before = len(store.calls)
+    assert leaf.scatter_recv("s", 30) == b"b"
+    assert store.calls[before:] == ["compare_set"]
+    root.close()
+    leaf.close()

@@ -306,14 +306,32 @@ class Lane:
         return abs(own - seconds) <= 0.01 * seconds + 0.01
 
     def get(self, key: str, seconds: float) -> bytes:
-        """Wait for ``key`` and read it: one call where the store's timeout fits, else wait + get."""
+        """Wait for ``key`` and read it: one call where the store's timeout fits, else wait + get
+        (on a FileStore: peeks, so a value already there costs one call, not two)."""
+        if self.polled:
+            return self._get_polled(key, seconds)
         if not self._fits(seconds):
             self.wait([key], seconds)
         return bytes(self.store.get(key))
 
+    def _get_polled(self, key: str, seconds: float) -> bytes:
+        """``get`` by polling ``peek`` (the pauses of ``_wait_sliced`` on a FileStore): the look
+        that finds the value also reads it."""
+        deadline = time.monotonic() + seconds
+        pause = FILE_POLL_FIRST
+        while (value := self.peek(key)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise dist.DistStoreError(f"wait timeout after {seconds:g}s, keys: {[key]}")
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, FILE_POLL)
+        return value
+
     def multi_get(self, keys: Sequence[str], seconds: float) -> list[bytes]:
         """Wait for all ``keys`` and read them (one call where the store's timeout fits;
         stores without multi_get get torch's default, one get per key)."""
+        if self.polled and len(keys) == 1:
+            return [self._get_polled(keys[0], seconds)]
         if not self._fits(seconds):
             self.wait(keys, seconds)
         return [bytes(v) for v in self.store.multi_get(list(keys))]
