@@ -83,9 +83,26 @@ auto nogil(F&& f) -> decltype(f()) {
   }
 }
 
-void raise_from(const char* builder, const py::tuple& args) {
-  py::object exc = py::module_::import("torch_ctrl.errors").attr(builder)(*args);
+py::object build(const char* builder, const py::tuple& args) {
+  return py::module_::import("torch_ctrl.errors").attr(builder)(*args);
+}
+
+void raise_object(const py::object& exc) {
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+}
+
+void raise_from(const char* builder, const py::tuple& args) {
+  raise_object(build(builder, args));
+}
+
+py::object timeout_exception(const torch_ctrl::CollectiveTimeout& e) {
+  py::object arrived = e.arrived ? py::object(py::int_(*e.arrived)) : py::object(py::none());
+  return build(
+      "timeout_error", py::make_tuple(e.op, e.label, e.seconds, e.world_size, arrived, py::cast(e.missing), e.detail));
+}
+
+py::object aborted_exception(const torch_ctrl::CollectiveAborted& e) {
+  return build("aborted_error", py::make_tuple(e.op, e.label, e.rank, e.reason));
 }
 
 void translate(std::exception_ptr p) {
@@ -94,16 +111,37 @@ void translate(std::exception_ptr p) {
       std::rethrow_exception(p);
     }
   } catch (const torch_ctrl::CollectiveTimeout& e) {
-    py::object arrived = e.arrived ? py::object(py::int_(*e.arrived)) : py::object(py::none());
-    raise_from(
-        "timeout_error",
-        py::make_tuple(e.op, e.label, e.seconds, e.world_size, arrived, py::cast(e.missing), e.detail));
+    raise_object(timeout_exception(e));
   } catch (const torch_ctrl::CollectiveAborted& e) {
-    raise_from("aborted_error", py::make_tuple(e.op, e.label, e.rank, e.reason));
+    raise_object(aborted_exception(e));
   } catch (const torch_ctrl::CollectiveError& e) {
     raise_from("collective_error", py::make_tuple(e.op, e.label, e.detail));
   } catch (const torch_ctrl::KeyReusedError& e) {
     raise_from("key_reused_error", py::make_tuple(e.op, e.key));
+  }
+}
+
+// A timeout or abort error of instance `s`, passed through its `_namer` when it has one
+// (naming.py sets it to add the hosts of the ranks an error names), then raised.
+[[noreturn]] void raise_named(StoreCollectives& s, py::object exc) {
+  py::object namer = py::getattr(py::cast(&s), "_namer", py::none());
+  if (!namer.is_none()) {
+    exc = namer(exc);
+  }
+  raise_object(exc);
+  throw py::error_already_set();
+}
+
+// f() (a collective, which releases the GIL itself), its timeout and abort errors named.
+// Only the error path runs Python code: a call that succeeds costs nothing here.
+template <typename F>
+auto named(StoreCollectives& s, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const torch_ctrl::CollectiveTimeout& e) {
+    raise_named(s, timeout_exception(e));
+  } catch (const torch_ctrl::CollectiveAborted& e) {
+    raise_named(s, aborted_exception(e));
   }
 }
 
@@ -201,7 +239,7 @@ PYBIND11_MODULE(_C, m) {
   // Python class binds them to its instances directly, so a call runs no Python code of ours.
   py::object no_key = py::none();
   py::object default_timeout = arguments::base().attr("DEFAULT_TIMEOUT");
-  py::class_<StoreCollectives, std::shared_ptr<StoreCollectives>>(m, "StoreCollectives")
+  py::class_<StoreCollectives, std::shared_ptr<StoreCollectives>>(m, "StoreCollectives", py::dynamic_attr())
       .def(py::init([](c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::optional<double> hb) {
              return nogil([&] { return std::make_shared<StoreCollectives>(std::move(store), rank, world, hb); });
            }),
@@ -218,7 +256,7 @@ PYBIND11_MODULE(_C, m) {
             Key k = arguments::key(key);
             double t = arguments::seconds(timeout);
             bool b = arguments::truth(block);
-            nogil([&] { s.barrier(k, t, b); });
+            named(s, [&] { return nogil([&] { s.barrier(k, t, b); }); });
           },
           py::arg("key") = no_key, py::arg("timeout") = default_timeout, py::arg("block") = true)
       .def(
@@ -228,7 +266,7 @@ PYBIND11_MODULE(_C, m) {
             std::string d = arguments::data(data);
             Key k = arguments::key(key);
             double t = arguments::seconds(timeout);
-            nogil([&] { s.broadcast_send(k, d, t); });
+            named(s, [&] { return nogil([&] { s.broadcast_send(k, d, t); }); });
           },
           py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
       .def(
@@ -237,7 +275,7 @@ PYBIND11_MODULE(_C, m) {
             check_owner(s, "broadcast_recv");
             Key k = arguments::key(key);
             double t = arguments::seconds(timeout);
-            std::string out = nogil([&] { return s.broadcast_recv(k, t); });
+            std::string out = named(s, [&] { return nogil([&] { return s.broadcast_recv(k, t); }); });
             return py::bytes(out);
           },
           py::arg("key") = no_key, py::arg("timeout") = default_timeout)
@@ -248,7 +286,7 @@ PYBIND11_MODULE(_C, m) {
             std::string d = arguments::data(data);
             Key k = arguments::key(key);
             double t = arguments::seconds(timeout);
-            nogil([&] { s.gather_send(k, d, t); });
+            named(s, [&] { return nogil([&] { s.gather_send(k, d, t); }); });
           },
           py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
       .def(
@@ -258,7 +296,7 @@ PYBIND11_MODULE(_C, m) {
             std::string d = arguments::data(data);
             Key k = arguments::key(key);
             double t = arguments::seconds(timeout);
-            std::vector<std::string> out = nogil([&] { return s.gather_recv(k, d, t); });
+            std::vector<std::string> out = named(s, [&] { return nogil([&] { return s.gather_recv(k, d, t); }); });
             return to_list(out);
           },
           py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
@@ -269,7 +307,7 @@ PYBIND11_MODULE(_C, m) {
             std::vector<std::string> d = arguments::data_list(data, s.world_size());
             Key k = arguments::key(key);
             double t = arguments::seconds(timeout);
-            std::string out = nogil([&] { return s.scatter_send(k, d, t); });
+            std::string out = named(s, [&] { return nogil([&] { return s.scatter_send(k, d, t); }); });
             return py::bytes(out);
           },
           py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
@@ -279,7 +317,7 @@ PYBIND11_MODULE(_C, m) {
             check_owner(s, "scatter_recv");
             Key k = arguments::key(key);
             double t = arguments::seconds(timeout);
-            std::string out = nogil([&] { return s.scatter_recv(k, t); });
+            std::string out = named(s, [&] { return nogil([&] { return s.scatter_recv(k, t); }); });
             return py::bytes(out);
           },
           py::arg("key") = no_key, py::arg("timeout") = default_timeout)
@@ -290,7 +328,7 @@ PYBIND11_MODULE(_C, m) {
             std::string d = arguments::data(data);
             Key k = arguments::key(key);
             double t = arguments::seconds(timeout);
-            torch_ctrl::Gathered out = nogil([&] { return s.all_gather(k, d, t); });
+            torch_ctrl::Gathered out = named(s, [&] { return nogil([&] { return s.all_gather(k, d, t); }); });
             py::list values(out.values.size());  // one bytes object per rank, copied from the log
             for (size_t i = 0; i < out.values.size(); ++i) {
               values[i] = py::bytes(out.values[i].data(), out.values[i].size());
@@ -305,7 +343,7 @@ PYBIND11_MODULE(_C, m) {
             int64_t d = arguments::int64(data);
             Key k = arguments::key(key);
             double t = arguments::seconds(timeout);
-            return nogil([&] { return s.all_sum(k, d, t); });
+            return named(s, [&] { return nogil([&] { return s.all_sum(k, d, t); }); });
           },
           py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
       .def(

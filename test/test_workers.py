@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch.distributed as dist
-from helpers import HOST, Stores, free_port, run_ranks
+from helpers import HOST, IMPLS, Stores, free_port, make_cls, run_ranks
 
 import torch_ctrl
 from torch_ctrl import workers
@@ -115,17 +115,29 @@ def test_errors_name_hosts() -> None:
     assert all("rank 2 runs on node-b" in m for m in msgs[:2]), msgs
 
 
-def test_with_rank_names_keeps_the_class() -> None:
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+def test_with_rank_names_keeps_the_class(impl: str) -> None:
+    """Both classes name hosts in their errors (the C++ one in its error path only)."""
     store = dist.HashStore()
-    cls = torch_ctrl.with_rank_names(torch_ctrl.PyStoreCollectives)
-    assert cls is torch_ctrl.with_rank_names(torch_ctrl.PyStoreCollectives)
+    base = make_cls(impl, 0)
+    cls = torch_ctrl.with_rank_names(base)
+    assert cls is torch_ctrl.with_rank_names(base)
     coll = cls(store, 1, 2, rank_names=["pod-a", "pod-b"])
-    assert isinstance(coll, torch_ctrl.PyStoreCollectives) and coll.rank == 1
+    assert isinstance(coll, base) and coll.rank == 1
     with pytest.raises(
         torch_ctrl.CollectiveTimeoutError, match=r"missing ranks: \[0\] \(hosts of missing ranks: 0: pod-a\)"
-    ):
+    ) as info:
         coll.barrier("x", 0.3)
+    assert info.value.missing == [0]
+    assert info.value.__context__ is None or info.value.__suppress_context__  # one error shown
+    with pytest.raises(torch_ctrl.CollectiveTimeoutError, match=r"hosts of missing ranks: 0: pod-a"):
+        coll.all_gather(None, b"x", 0.2)  # also positional arguments, and automatic keys
+    peer = base(store, 0, 2)
+    peer.abort("disk full")
+    with pytest.raises(torch_ctrl.CollectiveAbortedError, match=r"rank 0 runs on pod-a"):
+        coll.all_gather("y", b"", 5)
     coll.close()
+    peer.close()
 
 
 def test_rank_named_wraps_any_collectives() -> None:

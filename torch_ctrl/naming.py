@@ -69,8 +69,12 @@ class _NamedErrors:
         super().__init__(*args, **kwargs)
         self._rank_names = rank_names
         shortcut = getattr(self, "_shortcut", None)
-        if rank_names is None and shortcut is not None:
-            shortcut((_NamedErrors,))  # without names this class only passes calls through
+        if shortcut is None:
+            return
+        if rank_names is not None:
+            # The C++ class names its own errors (only a failing call runs Python code then).
+            self._native._namer = functools.partial(name_error, names=rank_names)  # type: ignore[attr-defined]
+        shortcut((_NamedErrors,))  # so this class's methods only pass calls through
 
 
 def _named_method(op: str) -> Callable[..., Any]:
