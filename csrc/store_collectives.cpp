@@ -42,11 +42,6 @@ auto decode(const Op& op, const std::string& key, F decoder) -> decltype(decoder
 // Naming the missing ranks happens at the deadline: a new connection for it gets this long.
 constexpr double kDiagnosticsConnect = 2.0;
 
-bool is_digits(const std::string& s) {
-  size_t i = (!s.empty() && s[0] == '-') ? 1 : 0;
-  return i < s.size() && std::all_of(s.begin() + i, s.end(), [](unsigned char c) { return std::isdigit(c); });
-}
-
 int64_t wrap_sum(const std::vector<int64_t>& values) {
   uint64_t total = 0;
   for (auto v : values) {
@@ -113,10 +108,15 @@ void StoreCollectives::abort(const std::string& reason) {
   watcher_->aborted(std::string(stored.begin(), stored.end()));
 }
 
-Wake StoreCollectives::wake_set(std::vector<std::string> keys) {
+Wake StoreCollectives::wake_set(Keys keys) {
+  // Shares the caller's keys (no copy per blocked read: an all_gather blocks on N of them).
   return [keys = std::move(keys)](Lane& lane, const std::string& notice) {
-    lane.multi_set(keys, std::vector<std::string>(keys.size(), K::kTagAbort + notice));
+    lane.multi_set(*keys, std::vector<std::string>(keys->size(), K::kTagAbort + notice));
   };
+}
+
+Wake StoreCollectives::wake_set(std::string key) {
+  return wake_set(std::make_shared<const std::vector<std::string>>(1, std::move(key)));
 }
 
 StoreCollectives::~StoreCollectives() = default;
@@ -170,7 +170,7 @@ std::string StoreCollectives::broadcast_recv(const Key& key, double timeout) {
     LaneGuard lane(*lanes_, open_lane(op));
     got = read(op, *lane, op.key(K::kDone));
   }
-  exit_later(op, world_ - 1, {K::kDone}, got.second);
+  exit_later(op, world_ - 1, {K::kDone}, std::move(got.second));
   return std::move(got.first);
 }
 
@@ -182,21 +182,22 @@ void StoreCollectives::gather_send(const Key& key, const std::string& data, doub
 
 std::vector<std::string> StoreCollectives::gather_recv(const Key& key, const std::string& data, double timeout) {
   Op op = begin("gather_recv", key, timeout);
-  std::vector<std::string> slots;
+  auto slots = std::make_shared<std::vector<std::string>>();
+  slots->reserve(world_ - 1);
   for (int r = 0; r < world_; ++r) {
     if (r != rank_) {
-      slots.push_back(K::rank_slot(op.prefix, r));
+      slots->push_back(K::rank_slot(op.prefix, r));
     }
   }
   std::vector<std::string> values;
-  if (!slots.empty()) {
+  if (!slots->empty()) {
     std::vector<std::string> chunks;
     {
       LaneGuard lane(*lanes_, open_lane(op));
       std::tie(values, chunks) = read_many(op, *lane, slots);
     }
-    chunks.insert(chunks.end(), slots.begin(), slots.end());
-    delete_later(chunks);
+    chunks.insert(chunks.end(), slots->begin(), slots->end());
+    delete_later(std::move(chunks));
   }
   values.insert(values.begin() + rank_, data);
   return values;
@@ -365,12 +366,12 @@ std::string StoreCollectives::arrive(const Op& op, Lane& lane, const std::functi
       lane.set(op.key(K::kDone), std::string(1, K::kTagData) + payload);
       return payload;
     }
-    Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set({op.key(K::kDone)}));
+    Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set(op.key(K::kDone)));
     done = lane.get(op.key(K::kDone), op.left());
   } catch (const std::exception& exc) {
     failure(op, exc);
   }
-  return untag(op, lane, op.key(K::kDone), done).first;
+  return untag(op, lane, op.key(K::kDone), std::move(done)).first;
 }
 
 Gathered StoreCollectives::exchange(const Op& op, const std::string& payload) {
@@ -408,7 +409,7 @@ Gathered StoreCollectives::exchange(const Op& op, const std::string& payload) {
     }
   }
   // Every rank has arrived (the counter reads N): its exits take it to 2N.
-  exit_later(op, 2 * world_, {K::kLog}, garbage, K::kArrive);
+  exit_later(op, 2 * world_, {K::kLog}, std::move(garbage), K::kArrive);
   if (found != world_) {
     std::string ranks = "[";
     for (int r = 0; r < world_; ++r) {
@@ -426,18 +427,20 @@ Gathered StoreCollectives::exchange(const Op& op, const std::string& payload) {
 }
 
 Gathered StoreCollectives::exchange_slots(const Op& op, const std::string& payload) {
-  std::vector<std::string> slots;
+  auto slots = std::make_shared<std::vector<std::string>>();
+  slots->reserve(world_);
   for (int r = 0; r < world_; ++r) {
-    slots.push_back(K::rank_slot(op.prefix, r));
+    slots->push_back(K::rank_slot(op.prefix, r));
   }
   std::vector<std::string> values, chunks;
   {
     LaneGuard lane(*lanes_, open_lane(op));
-    put(*lane, slots[rank_], payload);
+    put(*lane, (*slots)[rank_], payload);
     std::tie(values, chunks) = read_many(op, *lane, slots);
   }
-  chunks.insert(chunks.end(), slots.begin(), slots.end());
-  exit_later(op, world_, {}, chunks);
+  chunks.reserve(chunks.size() + slots->size() + 1);  // + 1: exit_later's counter, no regrowth
+  chunks.insert(chunks.end(), slots->begin(), slots->end());
+  exit_later(op, world_, {}, std::move(chunks));
   Gathered out;
   for (auto& v : values) {
     out.values.emplace_back(out.storage.emplace_back(std::move(v)));
@@ -460,21 +463,24 @@ void StoreCollectives::put(Lane& lane, const std::string& key, const std::string
 std::pair<std::vector<std::string>, std::vector<std::string>> StoreCollectives::read_many(
     const Op& op,
     Lane& lane,
-    const std::vector<std::string>& keys) {
+    Keys shared) {
+  const std::vector<std::string>& keys = *shared;
   std::vector<std::string> heads;
   try {
-    Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set(keys));
+    Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set(shared));  // shared: `keys` stays valid below
     heads = lane.multi_get(keys, op.left());
   } catch (const std::exception& exc) {
     failure(op, exc);
   }
-  std::vector<std::string> values, chunks;
+  // Each value is untagged where it was read (no second vector of N: one allocation of 1 KiB
+  // or more per op is a heap consolidation in glibc's allocator, when N threads do it at once).
+  std::vector<std::string> chunks;
   for (size_t i = 0; i < keys.size(); ++i) {
-    auto got = untag(op, lane, keys[i], heads[i]);
-    values.push_back(std::move(got.first));
+    auto got = untag(op, lane, keys[i], std::move(heads[i]));
+    heads[i] = std::move(got.first);
     chunks.insert(chunks.end(), got.second.begin(), got.second.end());
   }
-  return {std::move(values), std::move(chunks)};
+  return {std::move(heads), std::move(chunks)};
 }
 
 std::pair<std::string, std::vector<std::string>> StoreCollectives::read(
@@ -483,21 +489,22 @@ std::pair<std::string, std::vector<std::string>> StoreCollectives::read(
     const std::string& key) {
   std::string value;
   try {
-    Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set({key}));
+    Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set(key));
     value = lane.get(key, op.left());
   } catch (const std::exception& exc) {
     failure(op, exc);
   }
-  return untag(op, lane, key, value);
+  return untag(op, lane, key, std::move(value));
 }
 
 std::pair<std::string, std::vector<std::string>> StoreCollectives::untag(
     const Op& op,
     Lane& lane,
     const std::string& key,
-    const std::string& value) {
+    std::string value) {
   if (!value.empty() && value[0] == K::kTagData) {
-    return {value.substr(1), {}};
+    value.erase(0, 1);  // in place: no copy of the payload
+    return {std::move(value), {}};
   }
   if (!value.empty() && value[0] == K::kTagChunks) {
     std::vector<std::string> names;
@@ -677,21 +684,22 @@ void StoreCollectives::exit_later(
     const Op& op,
     int64_t expected,
     const std::vector<std::string>& fields,
-    const std::vector<std::string>& extra,
+    std::vector<std::string> extra,
     const std::string& counter) {
-  // NAMES logs are deleted by the ranks that wrote them (see Watcher::Blocked).
-  std::vector<std::string> keys;
+  // NAMES logs are deleted by the ranks that wrote them (see Watcher::Blocked). Built on
+  // `extra` (often N slot keys): no second vector of N.
+  std::vector<std::string> keys = std::move(extra);
+  keys.reserve(keys.size() + fields.size() + 1);
   for (const auto& f : fields) {
     keys.push_back(op.key(f));
   }
-  keys.insert(keys.end(), extra.begin(), extra.end());
   if (expected == 1) {  // the only participant (a broadcast's one receiver): nothing to count
     delete_later(std::move(keys));
     return;
   }
   std::string exit_key = op.key(counter);
   keys.push_back(exit_key);
-  watcher_->submit([exit_key, expected, keys](Lane& lane) {
+  watcher_->submit([exit_key, expected, keys = std::move(keys)](Lane& lane) {
     // At or past kAbortBias the op was aborted: its keys stay (like a timed-out op's).
     int64_t count = lane.add(exit_key, 1);
     if (count >= expected && count < K::kAbortBias) {

@@ -73,7 +73,10 @@ class StoreCollectives {
  private:
   Op begin(const std::string& name, const Key& key, double timeout);
   std::unique_ptr<Lane> open_lane(const Op& op);
-  static Wake wake_set(std::vector<std::string> keys);
+  using Keys = std::shared_ptr<const std::vector<std::string>>;
+  // Wakes a blocked read of `keys` on abort: writes the abort notice to each of them.
+  static Wake wake_set(Keys keys);
+  static Wake wake_set(std::string key);
   // Arrive at the op's barrier and wait for every rank; on the add/done barrier the last
   // arriver writes publish() (or nothing) as the done flag's payload, and every rank returns it.
   std::string arrive(const Op& op, Lane& lane, const std::function<std::string()>& publish = nullptr);
@@ -89,14 +92,14 @@ class StoreCollectives {
   std::pair<std::vector<std::string>, std::vector<std::string>> read_many(
       const Op& op,
       Lane& lane,
-      const std::vector<std::string>& keys);
+      Keys keys);
   // (payload, chunk keys to delete)
   std::pair<std::string, std::vector<std::string>> read(const Op& op, Lane& lane, const std::string& key);
   std::pair<std::string, std::vector<std::string>> untag(
       const Op& op,
       Lane& lane,
       const std::string& key,
-      const std::string& value);
+      std::string value);
   std::optional<std::string> until_counted(const Op& op, Lane& lane);
   void check_counter(const Op& op, const std::optional<std::string>& counter);
   [[noreturn]] void raise_abort(const Op& op, const std::string& notice);
@@ -110,7 +113,7 @@ class StoreCollectives {
       const Op& op,
       int64_t expected,
       const std::vector<std::string>& fields,
-      const std::vector<std::string>& extra = {},
+      std::vector<std::string> extra = {},
       const std::string& counter = keys::kExit);
   void delete_when_full(const Op& op);
 
