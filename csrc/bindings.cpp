@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <sstream>
 #include <thread>
 #include <type_traits>
@@ -239,6 +240,13 @@ PYBIND11_MODULE(_C, m) {
   // Python class binds them to its instances directly, so a call runs no Python code of ours.
   py::object no_key = py::none();
   py::object default_timeout = arguments::base().attr("DEFAULT_TIMEOUT");
+  // Each method's docstring is ControlCollectives' (what help(coll.barrier) shows), kept for
+  // the life of the process as pybind11 requires.
+  static std::deque<std::string> docs;
+  auto doc = [&](const char* name) {
+    py::object text = arguments::base().attr("ControlCollectives").attr(name).attr("__doc__");
+    return py::doc(docs.emplace_back(text.is_none() ? "" : text.cast<std::string>()).c_str());
+  };
   py::class_<StoreCollectives, std::shared_ptr<StoreCollectives>>(m, "StoreCollectives", py::dynamic_attr())
       .def(py::init([](c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::optional<double> hb) {
              return nogil([&] { return std::make_shared<StoreCollectives>(std::move(store), rank, world, hb); });
@@ -258,6 +266,7 @@ PYBIND11_MODULE(_C, m) {
             bool b = arguments::truth(block);
             named(s, [&] { return nogil([&] { s.barrier(k, t, b); }); });
           },
+          doc("barrier"),
           py::arg("key") = no_key, py::arg("timeout") = default_timeout, py::arg("block") = true)
       .def(
           "broadcast_send",
@@ -268,6 +277,7 @@ PYBIND11_MODULE(_C, m) {
             double t = arguments::seconds(timeout);
             named(s, [&] { return nogil([&] { s.broadcast_send(k, d, t); }); });
           },
+          doc("broadcast_send"),
           py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
       .def(
           "broadcast_recv",
@@ -278,6 +288,7 @@ PYBIND11_MODULE(_C, m) {
             std::string out = named(s, [&] { return nogil([&] { return s.broadcast_recv(k, t); }); });
             return py::bytes(out);
           },
+          doc("broadcast_recv"),
           py::arg("key") = no_key, py::arg("timeout") = default_timeout)
       .def(
           "gather_send",
@@ -288,6 +299,7 @@ PYBIND11_MODULE(_C, m) {
             double t = arguments::seconds(timeout);
             named(s, [&] { return nogil([&] { s.gather_send(k, d, t); }); });
           },
+          doc("gather_send"),
           py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
       .def(
           "gather_recv",
@@ -299,6 +311,7 @@ PYBIND11_MODULE(_C, m) {
             std::vector<std::string> out = named(s, [&] { return nogil([&] { return s.gather_recv(k, d, t); }); });
             return to_list(out);
           },
+          doc("gather_recv"),
           py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
       .def(
           "scatter_send",
@@ -310,6 +323,7 @@ PYBIND11_MODULE(_C, m) {
             std::string out = named(s, [&] { return nogil([&] { return s.scatter_send(k, d, t); }); });
             return py::bytes(out);
           },
+          doc("scatter_send"),
           py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
       .def(
           "scatter_recv",
@@ -320,6 +334,7 @@ PYBIND11_MODULE(_C, m) {
             std::string out = named(s, [&] { return nogil([&] { return s.scatter_recv(k, t); }); });
             return py::bytes(out);
           },
+          doc("scatter_recv"),
           py::arg("key") = no_key, py::arg("timeout") = default_timeout)
       .def(
           "all_gather",
@@ -335,6 +350,7 @@ PYBIND11_MODULE(_C, m) {
             }
             return values;
           },
+          doc("all_gather"),
           py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
       .def(
           "all_sum",
@@ -345,6 +361,7 @@ PYBIND11_MODULE(_C, m) {
             double t = arguments::seconds(timeout);
             return named(s, [&] { return nogil([&] { return s.all_sum(k, d, t); }); });
           },
+          doc("all_sum"),
           py::arg("key") = no_key, py::arg("data") = no_key, py::arg("timeout") = default_timeout)
       .def(
           "close", [](StoreCollectives& s, double flush_timeout) { nogil([&] { s.close(flush_timeout); }); },

@@ -299,6 +299,8 @@ def test_the_calls_go_straight_to_cpp_unless_overridden() -> None:
 
     plain, mine = CppStoreCollectives(store, 0, 1), Mine(store, 0, 1)
     assert "barrier" in vars(plain) and "barrier" not in vars(mine) and "all_sum" in vars(mine)
+    for name in ("barrier", "scatter_recv", "all_sum"):  # help(coll.barrier) shows the interface's text
+        assert getattr(torch_ctrl.ControlCollectives, name).__doc__ in getattr(plain, name).__doc__
     mine.barrier("b")
     assert calls == ["b"] and mine.all_sum("s", 3) == 3
     named = torch_ctrl.with_rank_names(CppStoreCollectives)
