@@ -181,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     print("$ python " + " ".join(cmd[1:]), flush=True)
     start = time.monotonic()
     try:
-        code = subprocess.run(cmd, timeout=JOB_WAIT).returncode
+        # torch's TCPStore resolves each connecting peer's name, on the agent's server thread
+        # too; where DNS drops such queries each one stalls for the resolver's timeout (5 s),
+        # which would show as a 5 s collective. Unless set, the job's processes wait 1 s at most.
+        env = {**os.environ, "RES_OPTIONS": os.environ.get("RES_OPTIONS", "timeout:1 attempts:1")}
+        code = subprocess.run(cmd, timeout=JOB_WAIT, env=env).returncode
     except subprocess.TimeoutExpired:
         print(f"FAILED: the torchrun job did not finish within {JOB_WAIT:.0f} s")
         return 1
