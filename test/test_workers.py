@@ -149,3 +149,20 @@ def test_rank_named_wraps_any_collectives() -> None:
     with pytest.raises(TypeError):
         coll.all_gather("y", 5, 1)  # bad input still raises the inner instance's TypeError
     coll.close()
+
+
+@pytest.mark.skipif("cpp" not in IMPLS, reason="C++ extension not built")
+def test_names_are_added_once_when_a_subclass_overrides_a_collective() -> None:
+    """With host names and a subclass that overrides a collective, the errors are named once
+    (by the naming mixin, in Python), whichever method raised them."""
+
+    class Mine(make_cls("cpp", 0)):  # type: ignore[misc]
+        def barrier(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            return super().barrier(*args, **kwargs)
+
+    coll = torch_ctrl.with_rank_names(Mine)(dist.HashStore(), 1, 2, rank_names=["pod-a", "pod-b"])
+    for call in (lambda: coll.barrier("x", 0.2), lambda: coll.all_gather("y", b"", 0.2)):
+        with pytest.raises(torch_ctrl.CollectiveTimeoutError) as info:
+            call()
+        assert str(info.value).count("hosts of missing ranks") == 1, str(info.value)
+    coll.close()

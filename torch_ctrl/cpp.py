@@ -144,10 +144,16 @@ class CppStoreCollectives(ControlCollectives):
         which measurably slows short collectives when ranks share a GIL). A subclass that
         overrides a method keeps its override; ``transparent`` classes are ones that only pass
         calls through (naming.py's mixin without names)."""
-        for name in METHODS:
-            owner = next(k for k in type(self).__mro__ if name in vars(k) and k not in transparent)
-            if owner is CppStoreCollectives:
-                self.__dict__[name] = getattr(self._native, name)
+        for name in self._direct(transparent):
+            self.__dict__[name] = getattr(self._native, name)
+
+    def _direct(self, transparent: tuple[type, ...] = ()) -> list[str]:
+        """The collectives whose method, past ``transparent`` classes, is this class's own
+        (not a subclass's override): those :meth:`_shortcut` binds to C++."""
+        owners = {
+            name: next(k for k in type(self).__mro__ if name in vars(k) and k not in transparent) for name in METHODS
+        }
+        return [name for name, owner in owners.items() if owner is CppStoreCollectives]
 
     def abort(self, reason: str = "") -> None:
         """Mark the group (every instance on this store namespace and world size) as failed by

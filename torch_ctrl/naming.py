@@ -68,13 +68,15 @@ class _NamedErrors:
     def __init__(self, *args: Any, rank_names: Names | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._rank_names = rank_names
-        shortcut = getattr(self, "_shortcut", None)
-        if shortcut is None:
+        direct = getattr(self, "_direct", None)
+        if direct is None:
             return
         if rank_names is not None:
+            if len(direct((_NamedErrors,))) != len(METHODS):
+                return  # a subclass overrides a collective: its errors are named here, in Python
             # The C++ class names its own errors (only a failing call runs Python code then).
             self._native._namer = functools.partial(name_error, names=rank_names)  # type: ignore[attr-defined]
-        shortcut((_NamedErrors,))  # so this class's methods only pass calls through
+        self._shortcut((_NamedErrors,))  # type: ignore[attr-defined]  # these methods only pass calls through
 
 
 def _named_method(op: str) -> Callable[..., Any]:
