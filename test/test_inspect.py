@@ -152,6 +152,39 @@ def test_threads_stuck_in_every_collective_then_aborted(kind: str) -> None:
 
 
 @needs_list_keys
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["hash", "file"])
+def test_generic_path_stuck_in_every_collective(kind: str) -> None:
+    """The generic path's keys (every store but a TCPStore with a server-side barrier, so also
+    every TCPStore before torch 2.12) tell the six ops apart as well: an add-based all_sum is
+    not a barrier."""
+    stores = Stores(kind)
+    colls = [StoreCollectives(stores.client(r), r, WORLD) for r in range(WORLD)]
+    threads = [
+        threading.Thread(target=block, args=(colls[r], r, op), daemon=True)
+        for op, (ranks, *_) in EXPECTED.items()
+        for r in ranks
+    ]
+    for t in threads:
+        t.start()
+    report = poll(
+        lambda: (lambda r: r if stuck_everywhere(r) else None)(torch_ctrl.inspect(stores.admin, interval=0, timeout=30))
+    )
+    check_stuck(report)
+    assert "all_sum 'all_sum'; 2/4 arrived; blocked: [1, 3]; missing: [0, 2]" in render(report)
+    colls[3].abort("disk full")
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert torch_ctrl.inspect(stores.admin, interval=0, timeout=30)["groups"][0]["abort"] == {
+        "rank": 3,
+        "reason": "disk full",
+    }
+    for c in colls:
+        c.close()
+
+
+@needs_list_keys
 def test_inspecting_writes_nothing() -> None:
     """Byte-for-byte the same store before and after, with ops in flight, heartbeats, an
     abort notice and torchrun-like keys; and only read calls reach a Python store."""

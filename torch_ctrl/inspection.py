@@ -171,9 +171,7 @@ def _is_int_payload(value: bytes) -> bool:
     return text.lstrip(b"-").isdigit() and text == b"%d" % int(text)
 
 
-def _classify(
-    world: int, op: _OpKeys, values: dict[str, bytes | None], key_of: Any, slot_heads: list[bytes]
-) -> dict[str, Any] | None:
+def _classify(world: int, op: _OpKeys, values: dict[str, bytes | None], key_of: Any) -> dict[str, Any] | None:
     """What one op's keys say: ``None`` for a finished op whose keys await cleanup."""
     fields = op.fields
     counter = _int(values.get(key_of(K.ARRIVE))) if K.ARRIVE in fields else None
@@ -194,10 +192,11 @@ def _classify(
             ("all_sum", ["all_sum", "all_gather"]) if is_sum else ("all_gather", ["all_gather"])
         )
         present = {r for r, _ in frames if 0 <= r < world}
-    elif K.ARRIVE in fields:  # barrier (TCPStore counter, or the generic add/done)
+    elif K.ARRIVE in fields:  # barrier (TCPStore counter, or the generic add/done); all_sum (generic: + total)
         if K.DONE in fields or (counter is not None and world <= counter < K.ABORT_BIAS):
             return None
-        out["op"], out["candidates"] = "barrier", ["barrier"]
+        kind = "all_sum" if K.SUM in fields else "barrier"
+        out["op"], out["candidates"] = kind, [kind]
         arrived = min(counter or 0, world) if not out["aborted"] else None
         out["arrived"] = arrived
         named = set(blocked)
@@ -213,11 +212,8 @@ def _classify(
             out["op"], out["candidates"] = "gather", ["gather"]
             out["root"] = roots[0]
             present = slots | set(roots)
-        elif blocked:  # every blocked rank wrote its slot: all_gather / all_sum (generic)
-            is_sum = bool(slot_heads) and all(_is_int_payload(h) for h in slot_heads)
-            out["op"], out["candidates"] = (
-                ("all_sum", ["all_sum", "all_gather"]) if is_sum else ("all_gather", ["all_gather"])
-            )
+        elif blocked:  # every blocked rank wrote its slot: all_gather (generic; all_sum adds to `s`)
+            out["op"], out["candidates"] = "all_gather", ["all_gather"]
             present = slots
         else:  # slots and nobody waiting: a gather whose root has not come, or an untaken scatter
             out["op"], out["candidates"] = "gather|scatter", ["gather", "scatter"]
@@ -435,32 +431,17 @@ class Inspector:
                 run["current"], native_keys = R.native_keys_to_read(run_id, run["native"])
                 wanted += native_keys
         values = read_values(store, wanted, self._owned)
-        heads = self._slot_heads(groups, values)
         report["torch_ctrl_keys"] = sum(1 for k in keys if _KEY.match(k))
         for _, g in sorted(groups.items()):
-            report["groups"].append(self._group(g, values, heads, now))
+            report["groups"].append(self._group(g, values, now))
         for run_id, run in sorted(runs.items()):
             report["torchrun"].append(self._run(run_id, run, values, report))
 
-    def _slot_heads(self, groups: dict[tuple[str, int], _GroupKeys], values: dict[str, bytes | None]) -> dict:
-        """First few slot values of generic all_gather/all_sum candidates (to tell them apart)."""
-        wanted: dict[tuple[str, int, str], list[str]] = {}
-        for g in groups.values():
-            root = f"{g.prefix}{K.group_root(g.world)}/"
-            for token, op in g.ops.items():
-                if op.slots and K.NAMES in op.fields and len(op.slots) < g.world:
-                    wanted[(g.prefix, g.world, token)] = [f"{root}{token}/r{r}" for r in sorted(op.slots)[:8]]
-        flat = [k for ks in wanted.values() for k in ks]
-        read = read_values(self._store, flat, self._owned) if flat else {}
-        return {where: [v for v in (read.get(k) for k in ks) if v is not None] for where, ks in wanted.items()}
-
-    def _group(self, g: _GroupKeys, values: dict[str, bytes | None], heads: dict, now: float) -> dict[str, Any]:
+    def _group(self, g: _GroupKeys, values: dict[str, bytes | None], now: float) -> dict[str, Any]:
         root = f"{g.prefix}{K.group_root(g.world)}/"
         ops, finished = [], 0
         for token, op in g.ops.items():
-            info = _classify(
-                g.world, op, values, lambda f, t=token: f"{root}{t}/{f}", heads.get((g.prefix, g.world, token), [])
-            )
+            info = _classify(g.world, op, values, lambda f, t=token: f"{root}{t}/{f}")
             if info is None:
                 finished += 1
                 continue
