@@ -98,11 +98,31 @@ std::string op_prefix(int world_size, const std::optional<std::string>& key, int
 }
 
 std::string field(const std::string& prefix, const std::string& name) {
-  return prefix + "/" + name;
+  std::string key;  // one allocation (several keys per op)
+  key.reserve(prefix.size() + 1 + name.size());
+  key.append(prefix).append(1, '/').append(name);
+  return key;
 }
 
 std::string rank_slot(const std::string& prefix, int rank) {
-  return prefix + "/r" + std::to_string(rank);
+  std::array<char, 12> digits{};
+  auto end = std::to_chars(digits.data(), digits.data() + digits.size(), rank).ptr;
+  std::string key;
+  key.reserve(prefix.size() + 2 + (end - digits.data()));
+  key.append(prefix).append("/r").append(digits.data(), end);
+  return key;  // not the reference append returns: that would be a copy
+}
+
+std::vector<std::string> rank_slots(const std::string& prefix, int world_size, int skip) {
+  // N keys per rank and op (N^2 over the group): built in place, not from temporaries.
+  std::vector<std::string> out;
+  out.reserve(world_size);
+  for (int r = 0; r < world_size; ++r) {
+    if (r != skip) {
+      out.push_back(rank_slot(prefix, r));
+    }
+  }
+  return out;
 }
 
 std::string group_key(int world_size, const std::string& name) {

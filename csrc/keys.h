@@ -45,6 +45,8 @@ std::string token(const std::optional<std::string>& key, int64_t seq);
 std::string op_prefix(int world_size, const std::optional<std::string>& key, int64_t seq);
 std::string field(const std::string& prefix, const std::string& name);
 std::string rank_slot(const std::string& prefix, int rank);
+// The slots of every rank but `skip` (-1: of all), in rank order: one allocation per key.
+std::vector<std::string> rank_slots(const std::string& prefix, int world_size, int skip = -1);
 std::string group_key(int world_size, const std::string& name);
 // The group's abort notice "{rank}:{reason}", written once (compare_set from empty).
 std::string abort_key(int world_size);

@@ -308,15 +308,22 @@ std::vector<std::string> Lane::multi_get(const std::vector<std::string>& keys, d
   if (polled && keys.size() == 1) {
     return {get_polled(keys[0], seconds)};
   }
-  if (!fits(seconds)) {
-    wait(keys, seconds);
-  }
   std::vector<std::string> out;
   out.reserve(keys.size());
-  for (const auto& v : store->multiGet(keys)) {
+  for (const auto& v : multi_get_raw(keys, seconds)) {
     out.push_back(str(v));
   }
   return out;
+}
+
+std::vector<std::vector<uint8_t>> Lane::multi_get_raw(const std::vector<std::string>& keys, double seconds) {
+  if (polled && keys.size() == 1) {
+    return {bytes(get_polled(keys[0], seconds))};
+  }
+  if (!fits(seconds)) {
+    wait(keys, seconds);
+  }
+  return store->multiGet(keys);
 }
 
 void Lane::barrier(const std::string& key, int world_size, double seconds) {

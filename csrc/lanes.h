@@ -51,6 +51,8 @@ struct Lane {
   void wait(const std::vector<std::string>& keys, double seconds);
   std::string get(const std::string& key, double seconds);
   std::vector<std::string> multi_get(const std::vector<std::string>& keys, double seconds);
+  // multi_get as the store returns it: no copy into strings (views of N values per rank).
+  std::vector<std::vector<uint8_t>> multi_get_raw(const std::vector<std::string>& keys, double seconds);
   void barrier(const std::string& key, int world_size, double seconds);
   std::optional<std::vector<std::string>> list_keys();
 

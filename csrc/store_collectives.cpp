@@ -182,13 +182,7 @@ void StoreCollectives::gather_send(const Key& key, const std::string& data, doub
 
 std::vector<std::string> StoreCollectives::gather_recv(const Key& key, const std::string& data, double timeout) {
   Op op = begin("gather_recv", key, timeout);
-  auto slots = std::make_shared<std::vector<std::string>>();
-  slots->reserve(world_ - 1);
-  for (int r = 0; r < world_; ++r) {
-    if (r != rank_) {
-      slots->push_back(K::rank_slot(op.prefix, r));
-    }
-  }
+  auto slots = std::make_shared<const std::vector<std::string>>(K::rank_slots(op.prefix, world_, rank_));
   std::vector<std::string> values;
   if (!slots->empty()) {
     std::vector<std::string> chunks;
@@ -427,24 +421,27 @@ Gathered StoreCollectives::exchange(const Op& op, const std::string& payload) {
 }
 
 Gathered StoreCollectives::exchange_slots(const Op& op, const std::string& payload) {
-  auto slots = std::make_shared<std::vector<std::string>>();
-  slots->reserve(world_);
-  for (int r = 0; r < world_; ++r) {
-    slots->push_back(K::rank_slot(op.prefix, r));
-  }
-  std::vector<std::string> values, chunks;
+  auto slots = std::make_shared<const std::vector<std::string>>(K::rank_slots(op.prefix, world_));
+  Gathered out;
+  std::vector<std::string> chunks;
   {
     LaneGuard lane(*lanes_, open_lane(op));
     put(*lane, (*slots)[rank_], payload);
-    std::tie(values, chunks) = read_many(op, *lane, slots);
+    out.raw = fetch_many(op, *lane, slots);
+    out.values.reserve(world_);
+    for (size_t i = 0; i < out.raw.size(); ++i) {
+      const auto& head = out.raw[i];
+      if (!head.empty() && head[0] == static_cast<uint8_t>(K::kTagData)) {  // the common case: no copy
+        out.values.emplace_back(reinterpret_cast<const char*>(head.data()) + 1, head.size() - 1);
+      } else {
+        auto got = untag(op, *lane, (*slots)[i], std::string(reinterpret_cast<const char*>(head.data()), head.size()));
+        out.values.emplace_back(out.storage.emplace_back(std::move(got.first)));
+        chunks.insert(chunks.end(), got.second.begin(), got.second.end());
+      }
+    }
   }
-  chunks.reserve(chunks.size() + slots->size() + 1);  // + 1: exit_later's counter, no regrowth
-  chunks.insert(chunks.end(), slots->begin(), slots->end());
-  exit_later(op, world_, {}, std::move(chunks));
-  Gathered out;
-  for (auto& v : values) {
-    out.values.emplace_back(out.storage.emplace_back(std::move(v)));
-  }
+  // The slot keys are rebuilt by the rank that deletes them, not copied by every rank.
+  exit_later(op, world_, {}, std::move(chunks), K::kExit, /*slots=*/true);
   return out;
 }
 
@@ -464,23 +461,27 @@ std::pair<std::vector<std::string>, std::vector<std::string>> StoreCollectives::
     const Op& op,
     Lane& lane,
     Keys shared) {
-  const std::vector<std::string>& keys = *shared;
+  const std::vector<std::string>& keys = *shared;  // shared: stays valid below
   std::vector<std::string> heads;
-  try {
-    Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set(shared));  // shared: `keys` stays valid below
-    heads = lane.multi_get(keys, op.left());
-  } catch (const std::exception& exc) {
-    failure(op, exc);
-  }
-  // Each value is untagged where it was read (no second vector of N: one allocation of 1 KiB
-  // or more per op is a heap consolidation in glibc's allocator, when N threads do it at once).
+  heads.reserve(keys.size());
   std::vector<std::string> chunks;
+  auto raw = fetch_many(op, lane, shared);
   for (size_t i = 0; i < keys.size(); ++i) {
-    auto got = untag(op, lane, keys[i], std::move(heads[i]));
-    heads[i] = std::move(got.first);
+    auto got = untag(op, lane, keys[i], std::string(reinterpret_cast<const char*>(raw[i].data()), raw[i].size()));
+    std::vector<uint8_t>().swap(raw[i]);  // freed as it is copied: the values are held once
+    heads.push_back(std::move(got.first));
     chunks.insert(chunks.end(), got.second.begin(), got.second.end());
   }
   return {std::move(heads), std::move(chunks)};
+}
+
+std::vector<std::vector<uint8_t>> StoreCollectives::fetch_many(const Op& op, Lane& lane, Keys shared) {
+  try {
+    Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_set(shared));
+    return lane.multi_get_raw(*shared, op.left());
+  } catch (const std::exception& exc) {
+    failure(op, exc);
+  }
 }
 
 std::pair<std::string, std::vector<std::string>> StoreCollectives::read(
@@ -685,9 +686,10 @@ void StoreCollectives::exit_later(
     int64_t expected,
     const std::vector<std::string>& fields,
     std::vector<std::string> extra,
-    const std::string& counter) {
+    const std::string& counter,
+    bool slots) {
   // NAMES logs are deleted by the ranks that wrote them (see Watcher::Blocked). Built on
-  // `extra` (often N slot keys): no second vector of N.
+  // `extra` (chunk keys, rarely any): no second vector.
   std::vector<std::string> keys = std::move(extra);
   keys.reserve(keys.size() + fields.size() + 1);
   for (const auto& f : fields) {
@@ -699,10 +701,17 @@ void StoreCollectives::exit_later(
   }
   std::string exit_key = op.key(counter);
   keys.push_back(exit_key);
-  watcher_->submit([exit_key, expected, keys = std::move(keys)](Lane& lane) {
+  std::string prefix = slots ? op.prefix : std::string();
+  int world = world_;
+  watcher_->submit([exit_key, expected, keys = std::move(keys), prefix, world](Lane& lane) {
     // At or past kAbortBias the op was aborted: its keys stay (like a timed-out op's).
     int64_t count = lane.add(exit_key, 1);
     if (count >= expected && count < K::kAbortBias) {
+      if (!prefix.empty()) {
+        for (const auto& key : K::rank_slots(prefix, world)) {
+          lane.remove(key);
+        }
+      }
       for (const auto& key : keys) {
         lane.remove(key);
       }

@@ -10,7 +10,7 @@
 
 #include <chrono>
 #include <functional>
-#include <deque>
+#include <list>
 #include <set>
 #include <memory>
 #include <mutex>
@@ -40,7 +40,10 @@ struct Op {
 // Every rank's payload of an all_gather/all_sum, by rank, without a copy per rank: views into
 // the log read once (or into payloads fetched on their own: chunked, or one slot per rank).
 struct Gathered {
-  std::deque<std::string> storage;  // what the views point into (a deque: stable addresses)
+  // What the views point into: a list (stable addresses, and unlike a deque no allocation while
+  // empty, as it is on the generic path's common case).
+  std::list<std::string> storage;
+  std::vector<std::vector<uint8_t>> raw;  // values as the store returned them, viewed past their tag
   std::vector<std::string_view> values;
 };
 
@@ -93,6 +96,8 @@ class StoreCollectives {
       const Op& op,
       Lane& lane,
       Keys keys);
+  // The blocking read of read_many, values still tagged and as the store returned them.
+  std::vector<std::vector<uint8_t>> fetch_many(const Op& op, Lane& lane, Keys keys);
   // (payload, chunk keys to delete)
   std::pair<std::string, std::vector<std::string>> read(const Op& op, Lane& lane, const std::string& key);
   std::pair<std::string, std::vector<std::string>> untag(
@@ -114,7 +119,8 @@ class StoreCollectives {
       int64_t expected,
       const std::vector<std::string>& fields,
       std::vector<std::string> extra = {},
-      const std::string& counter = keys::kExit);
+      const std::string& counter = keys::kExit,
+      bool slots = false);
   void delete_when_full(const Op& op);
 
   c10::intrusive_ptr<c10d::Store> store_;

@@ -107,6 +107,11 @@ def rank_slot(prefix: str, rank: int) -> str:
     return f"{prefix}/r{rank}"
 
 
+def rank_slots(prefix: str, world_size: int, skip: int = -1) -> list[str]:
+    """The slots of every rank but ``skip`` (-1: of all), in rank order."""
+    return [f"{prefix}/r{r}" for r in range(world_size) if r != skip]
+
+
 def group_key(world_size: int, name: str) -> str:
     """Group-wide key (abort notice, heartbeats)."""
     return f"{group_root(world_size)}/_/{name}"

@@ -177,8 +177,7 @@ class PyStoreCollectives(ControlCollectives):
     ) -> list[bytes]:
         payload = to_bytes(data)
         op = self._begin("gather_recv", key, timeout)
-        others = [r for r in range(self._world) if r != self._rank]
-        slots = [K.rank_slot(op.prefix, r) for r in others]
+        slots = K.rank_slots(op.prefix, self._world, self._rank)
         values: list[bytes] = []
         if slots:
             with self._lane(op) as lane:
@@ -396,11 +395,12 @@ class PyStoreCollectives(ControlCollectives):
         lane.set(key, self._stage(lane, key, payload))
 
     def _exchange_slots(self, op: _Op, payload: bytes) -> dict[int, bytes]:
-        slots = [K.rank_slot(op.prefix, r) for r in range(self._world)]
+        slots = K.rank_slots(op.prefix, self._world)
         with self._lane(op) as lane:
             self._put(lane, slots[self._rank], payload)
             values, chunks = self._read_many(op, lane, slots)
-        self._exit_later(op, self._world, [], slots + chunks)
+        # The slot keys are rebuilt by the rank that deletes them (the C++ twin saves N copies so).
+        self._exit_later(op, self._world, [], chunks, slots=True)
         return dict(enumerate(values))
 
     def _read(self, op: _Op, lane: Lane, key: str) -> tuple[bytes, list[str]]:
@@ -565,21 +565,29 @@ class PyStoreCollectives(ControlCollectives):
         self._watcher.submit(task)
 
     def _exit_later(
-        self, op: _Op, expected: int, fields: list[str], extra: Sequence[str] = (), counter: str = K.EXIT
+        self,
+        op: _Op,
+        expected: int,
+        fields: list[str],
+        extra: Sequence[str] = (),
+        counter: str = K.EXIT,
+        slots: bool = False,
     ) -> None:
         """Count this rank out on ``counter``; the rank that brings it to ``expected`` deletes the
-        op's keys (NAMES logs are deleted by the ranks that wrote them, see Watcher.blocked)."""
+        op's keys, and every rank's slot if ``slots`` (NAMES logs are deleted by the ranks that
+        wrote them, see Watcher.blocked)."""
         keys = [op.key(f) for f in fields] + list(extra)
         if expected == 1:  # the only participant (a broadcast's one receiver): nothing to count
             self._delete_later(keys)
             return
         exit_key = op.key(counter)
         keys.append(exit_key)
+        prefix, world = op.prefix, self._world
 
         def task(lane: Lane) -> None:
             # At or past ABORT_BIAS the op was aborted: its keys stay (like a timed-out op's).
             if expected <= lane.add(exit_key, 1) < K.ABORT_BIAS:
-                for key in keys:
+                for key in (K.rank_slots(prefix, world) if slots else []) + keys:
                     lane.delete(key)
 
         self._watcher.submit(task)
