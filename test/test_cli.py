@@ -89,12 +89,19 @@ def test_inspect_command_json_text_prefix_and_watch() -> None:
     assert bad.returncode == 1 and bad.stderr.splitlines()[-1].startswith("torch-ctrl inspect: cannot read 127.0.0.1:1")
     assert "Traceback" not in bad.stderr
 
-    watch = subprocess.Popen(
-        [sys.executable, "-m", "torch_ctrl", "inspect", address, "--watch", "--interval", "0.2", "--timeout", "30"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "RES_OPTIONS": "timeout:1 attempts:1"},
-    )
+    # A suite started in the background of a non-interactive shell (`cmd &`) inherits SIGINT
+    # ignored, and so would the child, which Ctrl-C then could not stop: a handler here makes
+    # the child start with SIGINT at its default (exec resets handled signals, not ignored ones).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "torch_ctrl", "inspect", address, "--watch", "--interval", "0.2", "--timeout", "30"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RES_OPTIONS": "timeout:1 attempts:1"},
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert watch.stdout is not None
     seen = 0
     for line in watch.stdout:  # refreshes until interrupted
