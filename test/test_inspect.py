@@ -90,6 +90,23 @@ def stuck_everywhere(report: dict[str, Any]) -> bool:
     return all(k in ops and ops[k]["blocked"] == exp[3] for k, exp in EXPECTED.items())
 
 
+def stuck_group(stores: Stores) -> tuple[list[Any], list[threading.Thread], dict[str, Any]]:
+    """A group of WORLD ranks (threads) blocked in every collective as EXPECTED says, and the
+    first report that shows all of them stuck."""
+    colls = [StoreCollectives(stores.client(r), r, WORLD) for r in range(WORLD)]
+    threads = [
+        threading.Thread(target=block, args=(colls[r], r, op), daemon=True)
+        for op, (ranks, *_) in EXPECTED.items()
+        for r in ranks
+    ]
+    for t in threads:
+        t.start()
+    report = poll(
+        lambda: (lambda r: r if stuck_everywhere(r) else None)(torch_ctrl.inspect(stores.admin, interval=0, timeout=30))
+    )
+    return colls, threads, report
+
+
 def check_stuck(report: dict[str, Any]) -> None:
     ops = ops_by_key(report)
     for key, (_, kind, arrived, blocked, missing) in EXPECTED.items():
@@ -107,18 +124,8 @@ def check_stuck(report: dict[str, Any]) -> None:
 @pytest.mark.parametrize("kind", ["tcp", "tcp_nolibuv", "prefix"])
 def test_threads_stuck_in_every_collective_then_aborted(kind: str) -> None:
     stores = Stores(kind)
-    colls = [StoreCollectives(stores.client(r), r, WORLD) for r in range(WORLD)]
-    threads = [
-        threading.Thread(target=block, args=(colls[r], r, op), daemon=True)
-        for op, (ranks, *_) in EXPECTED.items()
-        for r in ranks
-    ]
-    for t in threads:
-        t.start()
+    colls, threads, report = stuck_group(stores)
     admin = stores.admin
-    report = poll(
-        lambda: (lambda r: r if stuck_everywhere(r) else None)(torch_ctrl.inspect(admin, interval=0, timeout=30))
-    )
     check_stuck(report)
     group = report["groups"][0]
     assert group["abort"] is None and group["heartbeats"] is None and group["prefix"] == ""
@@ -159,17 +166,7 @@ def test_generic_path_stuck_in_every_collective(kind: str) -> None:
     every TCPStore before torch 2.12) tell the six ops apart as well: an add-based all_sum is
     not a barrier."""
     stores = Stores(kind)
-    colls = [StoreCollectives(stores.client(r), r, WORLD) for r in range(WORLD)]
-    threads = [
-        threading.Thread(target=block, args=(colls[r], r, op), daemon=True)
-        for op, (ranks, *_) in EXPECTED.items()
-        for r in ranks
-    ]
-    for t in threads:
-        t.start()
-    report = poll(
-        lambda: (lambda r: r if stuck_everywhere(r) else None)(torch_ctrl.inspect(stores.admin, interval=0, timeout=30))
-    )
+    colls, threads, report = stuck_group(stores)
     check_stuck(report)
     assert "all_sum 'all_sum'; 2/4 arrived; blocked: [1, 3]; missing: [0, 2]" in render(report)
     colls[3].abort("disk full")
@@ -189,16 +186,8 @@ def test_inspecting_writes_nothing() -> None:
     """Byte-for-byte the same store before and after, with ops in flight, heartbeats, an
     abort notice and torchrun-like keys; and only read calls reach a Python store."""
     stores = Stores("tcp")
-    colls = [StoreCollectives(stores.client(r), r, WORLD) for r in range(WORLD)]
-    threads = [
-        threading.Thread(target=block, args=(colls[r], r, op), daemon=True)
-        for op, (ranks, *_) in EXPECTED.items()
-        for r in ranks
-    ]
-    for t in threads:
-        t.start()
+    colls, threads, _ = stuck_group(stores)
     admin = stores.admin
-    poll(lambda: stuck_everywhere(torch_ctrl.inspect(admin, interval=0, timeout=30)))
     admin.set(K.group_key(2, "hb/0"), b"7")  # a second group: heartbeat counters, an abort notice
     admin.set(K.group_key(2, "hb/1"), b"9")
     admin.set(K.abort_key(2), b"1:gone")
