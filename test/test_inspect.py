@@ -173,10 +173,14 @@ def test_generic_path_stuck_in_every_collective(kind: str) -> None:
     for t in threads:
         t.join(30)
     assert not any(t.is_alive() for t in threads)
-    assert torch_ctrl.inspect(stores.admin, interval=0, timeout=30)["groups"][0]["abort"] == {
-        "rank": 3,
-        "reason": "disk full",
-    }
+    report = torch_ctrl.inspect(stores.admin, interval=0, timeout=30)
+    assert report["groups"][0]["abort"] == {"rank": 3, "reason": "disk full"}
+    # The abort notice in a done flag marks the op aborted, not finished; its counter still counts.
+    ops = ops_by_key(report)
+    assert ops["barrier"]["aborted"] and ops["barrier"]["arrived"] == 3, ops.get("barrier")
+    assert ops["all_sum"]["aborted"] and ops["all_sum"]["arrived"] == 2, ops.get("all_sum")
+    text = render(report)
+    assert "barrier 'barrier'; 3/4 arrived; ABORTED; seen" in text and "all_sum 'all_sum'; 2/4 arrived; ABORTED" in text
     for c in colls:
         c.close()
 

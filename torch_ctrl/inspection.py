@@ -193,13 +193,20 @@ def _classify(world: int, op: _OpKeys, values: dict[str, bytes | None], key_of: 
         )
         present = {r for r, _ in frames if 0 <= r < world}
     elif K.ARRIVE in fields:  # barrier (TCPStore counter, or the generic add/done); all_sum (generic: + total)
-        if K.DONE in fields or (counter is not None and world <= counter < K.ABORT_BIAS):
+        done = values.get(key_of(K.DONE)) if K.DONE in fields else None
+        if done is not None and done[:1] == K.TAG_ABORT:
+            out["aborted"] = True  # the watcher released the waiters by writing the notice there
+        elif K.DONE in fields or (counter is not None and world <= counter < K.ABORT_BIAS):
             return None
         kind = "all_sum" if K.SUM in fields else "barrier"
         out["op"], out["candidates"] = kind, [kind]
-        arrived = min(counter or 0, world) if not out["aborted"] else None
+        # A raised counter no longer counts arrivals; a generic counter still does after an abort.
+        arrived = min(counter or 0, world) if counter is None or counter < K.ABORT_BIAS else None
         out["arrived"] = arrived
         named = set(blocked)
+        if out["aborted"] and not named:  # released by the abort: nobody is waiting any more
+            out["missing"], out["unnamed"] = None, 0
+            return out
         out["missing"] = [r for r in range(world) if r not in named]
         out["unnamed"] = max(0, (arrived or 0) - len(named))
         return out
@@ -424,6 +431,10 @@ class Inspector:
             root = f"{g.prefix}{K.group_root(g.world)}/"
             for token, op in g.ops.items():
                 wanted += [f"{root}{token}/{f}" for f in _READ_FIELDS if f in op.fields]
+                if K.ARRIVE in op.fields and K.DONE in op.fields:
+                    # A generic barrier's done flag (or all_sum's total): a few bytes, and an
+                    # abort leaves its notice there. Never a broadcast's payload (no counter).
+                    wanted.append(f"{root}{token}/{K.DONE}")
             wanted += list(g.beats.values()) + ([g.abort] if g.abort else [])
         for run_id, run in runs.items():
             wanted += ([run["state_key"]] if run["state_key"] else []) + list(run["master"].values())
