@@ -42,7 +42,7 @@ from .errors import (
     timeout_error,
 )
 from .lanes import Borrowed, Lane, Lanes
-from .watcher import Watcher, connection_lost
+from .watcher import Watcher, connection_lost, leaving
 
 T = TypeVar("T")
 DIAGNOSTICS_CONNECT = 2.0  # seconds a new connection may take to name the missing ranks
@@ -603,7 +603,7 @@ class PyStoreCollectives(ControlCollectives):
                 value = lane.peek(counter)
                 if value is None or K.parse_counter(value) >= world:  # garbage: DecodeError ends the task
                     break
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or leaving():  # at exit the counter stays
                     return
                 time.sleep(pause)
                 pause = min(pause * 2, 1.0)

@@ -76,8 +76,20 @@ def _stop_all() -> None:
     heartbeats stop, abort the group and wake the blocked callers)."""
     global _LEAVING
     _LEAVING = True
-    for watcher in list(_LIVE):
+    watchers = list(_LIVE)
+    for watcher in watchers:
         watcher.close(flush_timeout=2.0)
+    # A thread still inside a store call (a connect to a server that is gone takes up to
+    # HEAL_CONNECT plus torch's back-off) must return before finalization starts: waiting a
+    # little longer here is better than the abort.
+    end = time.monotonic() + EXIT_GRACE
+    for watcher in watchers:
+        watcher.join(max(0.0, end - time.monotonic()))
+
+
+def leaving() -> bool:
+    """Whether the interpreter is exiting: background work then stops at its next step."""
+    return _LEAVING
 
 
 def tick() -> float:
@@ -123,6 +135,8 @@ class _Beat:
 
 
 HEAL_CONNECT = 1.0  # seconds the watcher waits to open a new connection (tried again on its next wake)
+# At exit, how much longer than the drain the watchers' threads get to leave a store call.
+EXIT_GRACE = HEAL_CONNECT + 2.0
 
 
 def connection_lost(exc: BaseException) -> bool:
@@ -241,9 +255,14 @@ class Watcher:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+        self.join(flush_timeout)
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the thread to end (after ``close``)."""
+        with self._cv:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(flush_timeout)
+            thread.join(timeout)
 
     # -- the thread --------------------------------------------------------------
     def _start(self) -> None:
@@ -372,7 +391,7 @@ class Watcher:
         """The lane to go on with: a new connection when the last one was lost (the server
         restarted, or dropped us); the old one while no new one can be opened (tried again
         on the next wake)."""
-        if not self._broken:
+        if not self._broken or _LEAVING:  # no new connection once the process exits
             return lane
         try:
             fresh = self._lanes.open(HEAL_CONNECT)  # not a pooled lane: those may be as dead as ours
