@@ -730,7 +730,7 @@ void StoreCollectives::delete_when_full(const Op& op) {
       if (!value || K::parse_counter(*value) >= world) {  // garbage: DecodeError ends the task
         break;
       }
-      if (std::chrono::steady_clock::now() > deadline) {
+      if (std::chrono::steady_clock::now() > deadline || leaving()) {  // at exit the counter stays
         return;
       }
       std::this_thread::sleep_for(std::chrono::duration<double>(pause));

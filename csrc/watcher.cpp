@@ -15,7 +15,7 @@ double grace_period(double timeout) {
 
 namespace {
 std::atomic<int64_t> live_watchers{0};
-std::atomic<bool> leaving{false};
+std::atomic<bool> process_leaving{false};
 
 std::chrono::steady_clock::duration secs(double s) {
   return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
@@ -23,7 +23,11 @@ std::chrono::steady_clock::duration secs(double s) {
 } // namespace
 
 void leave_process() {
-  leaving.store(true);
+  process_leaving.store(true);
+}
+
+bool leaving() {
+  return process_leaving.load();
 }
 
 double tick() {
@@ -90,7 +94,7 @@ Watcher::~Watcher() {
 }
 
 void Watcher::start_locked() {
-  if (!state_->running && !leaving.load()) {
+  if (!state_->running && !leaving()) {
     if (state_->thread.joinable()) {
       state_->thread.join();
     }
@@ -280,7 +284,7 @@ void Watcher::run(std::shared_ptr<State> st) {
   while (true) {
     auto now = Clock::now();
     // Blocked callers are served (named, woken, polled for) until the process exits.
-    bool serve = !leaving.load();
+    bool serve = !leaving();
     std::vector<std::string> names;
     std::vector<Wake> wakes;
     std::optional<Clock::time_point> next;
@@ -370,7 +374,7 @@ void Watcher::run(std::shared_ptr<State> st) {
     for (auto& task : tasks) {
       safely([&] { task(*lane); });
     }
-    if (broken) {
+    if (broken && !leaving()) {  // no new connection once the process exits
       // The server restarted or dropped us: go on with a new connection (not a pooled lane:
       // those may be as dead as ours); while none can be opened, keep trying on each wake.
       try {

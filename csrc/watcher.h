@@ -40,6 +40,8 @@ double tick();
 // cleanup and stop, even with callers still blocked, so nothing of ours makes a blocked call
 // return while the interpreter finalizes.
 void leave_process();
+// Whether the process exits (twin of watcher.leaving): background work stops at its next step.
+bool leaving();
 constexpr double kLinger = 1.0;
 constexpr double kPoll = 0.7;
 constexpr double kDeadAfter = 2.5;
