@@ -179,8 +179,12 @@ def test_generic_path_stuck_in_every_collective(kind: str) -> None:
     ops = ops_by_key(report)
     assert ops["barrier"]["aborted"] and ops["barrier"]["arrived"] == 3, ops.get("barrier")
     assert ops["all_sum"]["aborted"] and ops["all_sum"]["arrived"] == 2, ops.get("all_sum")
+    # The notice in every slot of the all_gather: aborted, not finished (who arrived went with them).
+    assert ops["all_gather"]["aborted"] and ops["all_gather"]["arrived"] is None, ops.get("all_gather")
+    assert report["groups"][0]["finished_awaiting_cleanup"] == 0
     text = render(report)
     assert "barrier 'barrier'; 3/4 arrived; ABORTED; seen" in text and "all_sum 'all_sum'; 2/4 arrived; ABORTED" in text
+    assert "all_gather 'all_gather'; ABORTED; released by the abort; its slots hold the notice" in text
     for c in colls:
         c.close()
 

@@ -157,6 +157,11 @@ def _parse(keys: Iterable[str]) -> tuple[dict[tuple[str, int], _GroupKeys], dict
     return groups, runs
 
 
+def _all_slots(op: _OpKeys, world: int) -> bool:
+    """Every rank's slot is there (a generic all_gather that finished, or that an abort woke)."""
+    return not op.fields - {K.EXIT, K.NAMES} and len({r for r in op.slots if 0 <= r < world}) >= world
+
+
 def _int(value: bytes | None) -> int | None:
     if value is None or not value.lstrip(b"-").isdigit():
         return None
@@ -214,7 +219,18 @@ def _classify(world: int, op: _OpKeys, values: dict[str, bytes | None], key_of: 
         slots = {r for r in op.slots if 0 <= r < world}
         roots = [r for r in blocked if r not in slots]
         if len(slots) >= world:
-            return None  # every rank's slot is there: a finished all_gather/all_sum (generic)
+            first = values.get(key_of("r0"))
+            if first is None or first[:1] != K.TAG_ABORT:
+                return None  # every rank's slot is there: a finished all_gather (generic)
+            # The abort's notice overwrote every slot: who had arrived is gone with them.
+            out["op"], out["candidates"] = "all_gather", ["all_gather"]
+            out["aborted"] = True
+            named = set(blocked)
+            out["arrived"] = None
+            out["missing"] = [r for r in range(world) if r not in named] if named else None
+            out["unnamed"] = 0
+            out["detail"] = "released by the abort; its slots hold the notice"
+            return out
         if roots:  # a blocked rank without a slot: the root of a gather
             out["op"], out["candidates"] = "gather", ["gather"]
             out["root"] = roots[0]
@@ -435,6 +451,10 @@ class Inspector:
                     # A generic barrier's done flag (or all_sum's total): a few bytes, and an
                     # abort leaves its notice there. Never a broadcast's payload (no counter).
                     wanted.append(f"{root}{token}/{K.DONE}")
+                if g.abort and _all_slots(op, g.world):
+                    # An abort wakes a generic all_gather by writing its notice into every slot:
+                    # one slot tells that op from a finished one. Read only in aborted groups.
+                    wanted.append(f"{root}{token}/r0")
             wanted += list(g.beats.values()) + ([g.abort] if g.abort else [])
         for run_id, run in runs.items():
             wanted += ([run["state_key"]] if run["state_key"] else []) + list(run["master"].values())
