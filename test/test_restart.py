@@ -105,3 +105,28 @@ def test_ops_fail_within_their_timeout_once_the_server_is_gone(impl: str, kind: 
         assert took < 3 + 3.0, (i, took)
     for c in colls:
         c.close(flush_timeout=0.5)
+
+
+@pytest.mark.timeout(60)
+def test_a_chain_whose_prefix_is_unknown_connects_within_the_time_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.8-2.9 without the extension: a PrefixStore chain over a TCPStore has clone() but
+    no list_keys, so its prefix cannot be learned and new lanes are clones, which connect within
+    the store's own timeout (300 s here). A new lane must still fail within the time it was
+    given once the server is gone: that is what keeps ops and the watcher's reconnects bounded."""
+    from torch_ctrl import capabilities, lanes
+
+    if not capabilities.CLONE:
+        pytest.skip("this torch's stores have no clone(): chains share the user's client")
+    monkeypatch.setattr(capabilities, "LIST_KEYS", False)  # as torch 2.8-2.9 have them
+    monkeypatch.setattr(capabilities, "BARRIER", False)
+    monkeypatch.setattr(lanes, "_reads_prefixes", lambda: False)  # as without the extension
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    pool = lanes.Lanes(dist.PrefixStore("job", dist.TCPStore(HOST, server.port, is_master=False)))
+    assert pool.owned and pool.prefix == ""  # new lanes are clones
+    pool.release(pool.open(5.0))  # while the server is up, a clone as before
+    del server
+    started = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017 - torch's connect error, whatever its type
+        pool.open(1.0)
+    # 1 s plus torch's connect back-off and slack; without the bound, the client's 300 s.
+    assert time.monotonic() - started < 1.0 + 4.0

@@ -83,14 +83,19 @@ def key_prefix(store: dist.Store) -> str:
     return full[: -len(probe)]
 
 
+def _reads_prefixes() -> bool:
+    """Whether the extension is in use: it reads a PrefixStore chain's prefix directly."""
+    from . import loader  # at call time: the loader imports this module
+
+    return loader.backend() == "cpp"
+
+
 def chain_prefix(store: dist.Store) -> str:
     """What the PrefixStores over a TCPStore put before a key (``"job/"`` for
     ``PrefixStore("job", tcp)``): from the extension where it is in use, else by writing a
     probe key through them and finding it with the TCPStore's ``list_keys`` (once per
     instance; the probe is deleted)."""
-    from . import loader  # at call time: the loader imports this module
-
-    if loader.backend() == "cpp":
+    if _reads_prefixes():
         from ._C import _base_key  # type: ignore[attr-defined]
 
         return str(_base_key(store, "")[1])
@@ -404,7 +409,7 @@ class Lanes:
         # Known too for any owned chain over a TCPStore where it can be learned: new lanes are
         # then new clients opened within an op's time left (clone() cannot be bounded).
         self.prefix = ""
-        if chain and tcp and self.owned and (self.native_barrier or capabilities.LIST_KEYS):
+        if chain and tcp and self.owned and (self.native_barrier or capabilities.LIST_KEYS or _reads_prefixes()):
             lane = self.acquire()
             self.prefix = lane.prefix = chain_prefix(lane.store)
             self.release(lane)
@@ -438,6 +443,13 @@ class Lanes:
             # PrefixStore(P, c) puts "P/" before a key: P is the joined prefix less its last "/".
             return dist.PrefixStore(self.prefix[:-1], new_client(base_store(self.store), connect_timeout))
         if capabilities.CLONE:
+            base = base_store(self.store)
+            if connect_timeout is not None and isinstance(base, dist.TCPStore):
+                # A chain whose prefix cannot be learned (torch without list_keys, no
+                # extension): clone() connects within the store's own timeout, minutes on a
+                # server that is gone. Reach the server within the time given first; that
+                # probe connection is dropped at once.
+                new_client(base, connect_timeout)
             return self.store.clone()
         return new_client(self.store)
 
