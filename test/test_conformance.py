@@ -7,6 +7,8 @@ from datetime import timedelta
 import pytest
 from helpers import Stores, make, run_group
 
+from torch_ctrl import keys as K
+
 WORLD = 4
 
 
@@ -87,11 +89,13 @@ def test_keyless_sequence_mixes_ops(impl: str, stores: Stores) -> None:
 def _drops_large_values(stores: Stores) -> bool:
     """Whether this TCPStore server drops connections that send large values: torch 2.7.1's
     libuv server does, intermittently, from about 128 KiB (1 MiB values failed on 37 of 40 new
-    connections; its legacy server on none). Probed with 1 MiB values on new connections."""
-    for i in range(5):
+    connections; its legacy server on none). Probed with values of the size torch_ctrl sends
+    (a whole chunk) on new connections: five 1 MiB probes once all passed on 2.7.1, and the
+    4 MiB chunks then failed."""
+    for i in range(8):
         client = stores.client(-1)
         try:
-            client.set(f"probe/{i}", b"x" * (1 << 20))
+            client.set(f"probe/{i}", b"x" * K.CHUNK)
             client.get(f"probe/{i}")
         except Exception:  # noqa: BLE001 - the connection was dropped
             return True
