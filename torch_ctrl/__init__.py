@@ -43,8 +43,9 @@ def register() -> None:
     """Make ``torch.distributed.StoreCollectives`` and ``torch.distributed.ControlCollectives``
     torch_ctrl's classes. Idempotent; ``import torch_ctrl`` calls it.
 
-    torch's own private classes stay available as ``torch.distributed._StoreCollectives``
-    and ``torch.distributed._ControlCollectives``; nothing of torch is replaced.
+    Where this torch has them (up to 2.13), torch's own private classes stay available as
+    ``torch.distributed._StoreCollectives`` and ``torch.distributed._ControlCollectives``;
+    nothing of torch is replaced.
 
     Example::
 

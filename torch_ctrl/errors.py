@@ -1,7 +1,8 @@
 """Exceptions raised by the collectives, and their one-line messages.
 
-All of them subclass :class:`torch.distributed.DistStoreError`, so code written
-for torch's store errors keeps catching them.
+All of them but :class:`KeyReusedError` (a caller's mistake, raised before anything is
+written) subclass :class:`torch.distributed.DistStoreError`, so code written for torch's
+store errors keeps catching them.
 """
 
 from __future__ import annotations

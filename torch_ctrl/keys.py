@@ -4,7 +4,7 @@ Every store key torch_ctrl writes has the form::
 
     torch_ctrl/2/w{world_size}/{token}/{field}
 
-* ``1`` is the protocol version (bumped on any incompatible change).
+* ``2`` is the protocol version (bumped on any incompatible change).
 * ``w{world_size}`` separates groups of different sizes sharing one store.
 * ``{token}`` names one collective:
 
