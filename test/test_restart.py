@@ -101,8 +101,9 @@ def test_ops_fail_within_their_timeout_once_the_server_is_gone(impl: str, kind: 
         assert "store unreachable" in text and "\n" not in text, text
         # The timeout, plus torch's connect back-off (a retry it starts just before the
         # deadline, after a random delay of up to ~1.5 s) and slack for a loaded machine: seen
-        # at 5.2 s once under the full suite. What this guards is the client's 300 s.
-        assert took < 3 + 3.0, (i, took)
+        # at 5.2 s once under the full suite, 6.4 s on torch 2.7 with two suites on 2 cores.
+        # What this guards is the client's 300 s.
+        assert took < 3 + 5.0, (i, took)
     for c in colls:
         c.close(flush_timeout=0.5)
 
