@@ -4,6 +4,7 @@ an abort still wakes a blocked peer within a second."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -106,6 +107,47 @@ def test_ops_fail_within_their_timeout_once_the_server_is_gone(impl: str, kind: 
         assert took < 3 + 5.0, (i, took)
     for c in colls:
         c.close(flush_timeout=0.5)
+
+
+@pytest.mark.timeout(60)
+def test_an_op_queued_behind_other_connects_fails_within_its_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.6-2.7 (no clone()): the Python twin opens its clients one at a time per process.
+    Once the server is gone, every instance's watcher reconnects in turn (each attempt up to
+    about 2.5 s), so a new connection may queue behind several. An op must still fail within
+    its own timeout: the wait for its turn counts against the time it gave the connection."""
+    from torch_ctrl import capabilities, lanes
+
+    monkeypatch.setattr(capabilities, "CLONE", False)  # as torch 2.6-2.7 have it
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    coll = make("python", dist.TCPStore(HOST, server.port, is_master=False), 0, 2)
+    del server  # gone: the connect of whoever holds the turn runs on
+    held, release = threading.Event(), threading.Event()
+
+    def other_connect() -> None:  # another lane's or a watcher's reconnect, taking its time
+        with lanes._CONNECT:
+            held.set()
+            release.wait(30)
+
+    other = threading.Thread(target=other_connect, daemon=True)
+    other.start()
+    try:
+        assert held.wait(10)
+        texts = []
+        for i in range(3):  # the first ops may take the pooled lanes (dead): they fail at once
+            started = time.monotonic()
+            with pytest.raises(CollectiveError) as info:
+                coll.barrier(f"queued{i}", timeout=2)
+            took = time.monotonic() - started
+            texts.append(str(info.value))
+            assert "store unreachable" in texts[-1], texts
+            # Half the op's 2 s for the connection; without the bound, as long as the other
+            # holds its turn (30 s here).
+            assert took < 2 + 1.0, (i, took)
+        assert any("one at a time" in t for t in texts), texts
+    finally:
+        release.set()
+        other.join(10)
+        coll.close(flush_timeout=0.5)
 
 
 @pytest.mark.timeout(60)

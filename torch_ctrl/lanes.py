@@ -164,11 +164,24 @@ _CONNECT = threading.RLock()
 
 def new_client(store: dist.TCPStore, connect_timeout: float | None = None) -> dist.TCPStore:
     """A new client of ``store``'s server (same host, port, backend and timeout), connected
-    within ``connect_timeout`` seconds when given."""
+    within ``connect_timeout`` seconds when given (waiting for the one-at-a-time construction
+    included: once a server is gone, every watcher of the process reconnects in turn, and an
+    op queued behind them all would outlive its deadline)."""
     if capabilities.CLONE:
         return _tcp_client(store, connect_timeout)
-    with _CONNECT:
-        return _tcp_client(store, connect_timeout)
+    if connect_timeout is None:
+        with _CONNECT:
+            return _tcp_client(store, None)
+    started = time.monotonic()
+    if not _CONNECT.acquire(timeout=max(connect_timeout, _TICK)):
+        raise dist.DistNetworkError(
+            f"no connection could be started within {connect_timeout:g}s: "
+            "other connections of this process are being opened (one at a time on this torch)"
+        )
+    try:
+        return _tcp_client(store, max(connect_timeout - (time.monotonic() - started), _TICK))
+    finally:
+        _CONNECT.release()
 
 
 def _tcp_client(store: dist.TCPStore, connect_timeout: float | None) -> dist.TCPStore:
