@@ -24,6 +24,7 @@ The C++ twin rebuilds such chains with new clients.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -169,19 +170,38 @@ def new_client(store: dist.TCPStore, connect_timeout: float | None = None) -> di
     op queued behind them all would outlive its deadline)."""
     if capabilities.CLONE:
         return _tcp_client(store, connect_timeout)
-    if connect_timeout is None:
-        with _CONNECT:
-            return _tcp_client(store, None)
-    started = time.monotonic()
-    if not _CONNECT.acquire(timeout=max(connect_timeout, _TICK)):
+    seconds = store.timeout.total_seconds() if connect_timeout is None else connect_timeout
+    deadline = time.monotonic() + seconds
+    # A server that is gone is found here, without the turn: one caller's reconnects to it
+    # (a watcher's, every wake) must not hold every other caller's turn for seconds.
+    _reach(store.host, store.port, deadline)
+    if not _CONNECT.acquire(timeout=max(deadline - time.monotonic(), _TICK)):
         raise dist.DistNetworkError(
-            f"no connection could be started within {connect_timeout:g}s: "
+            f"no connection could be started within {seconds:g}s: "
             "other connections of this process are being opened (one at a time on this torch)"
         )
     try:
-        return _tcp_client(store, max(connect_timeout - (time.monotonic() - started), _TICK))
+        return _tcp_client(store, max(deadline - time.monotonic(), _TICK))
     finally:
         _CONNECT.release()
+
+
+def _reach(host: str, port: int, deadline: float) -> None:
+    """Return once ``host:port`` accepts a TCP connection (closed at once; the server only
+    sees a client that left), or raise DistNetworkError at ``deadline``. Plain sockets and
+    sleeps: a thread waiting here holds no lock and is not inside torch when the process exits."""
+    pause = 0.01
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(min(left, 1.0), _TICK)):
+                return
+        except OSError as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise dist.DistNetworkError(f"the store's server {host}:{port} is unreachable: {exc}") from None
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.5)
 
 
 def _tcp_client(store: dist.TCPStore, connect_timeout: float | None) -> dist.TCPStore:
