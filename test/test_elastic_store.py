@@ -129,10 +129,13 @@ def test_get_all_reads_the_callers_keys(kind: str) -> None:
 def test_timeout_names_missing_ranks_on_every_rank_through_the_decoder() -> None:
     stores, n = Stores("tcp"), 4
     hosts = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-c"}
+    clients = [stores.client(r) for r in range(2)]
 
     def body(r: int) -> str:
+        # 3 s: a connection the barrier opens may stall the server for the resolver's 1 s
+        # (conftest.py), and rank 1 must still arrive before rank 0 gives up.
         with pytest.raises(dist.DistStoreError) as info:
-            store_util.barrier(stores.client(r), n, "tb", 1.0, rank=r, rank_tracing_decoder=hosts.__getitem__)
+            store_util.barrier(clients[r], n, "tb", 3.0, rank=r, rank_tracing_decoder=hosts.__getitem__)
         return str(info.value)
 
     msgs = run_ranks(2, body)

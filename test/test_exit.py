@@ -31,6 +31,10 @@ impl = torch_ctrl.PyStoreCollectives if sys.argv[1] == "python" else torch_ctrl.
 
 def wrap(client):  # what ranks hold: a raw TCPStore client, or a PrefixStore over one
     return dist.PrefixStore("job/", client) if sys.argv[2] == "prefix" else client
+
+
+# The scripts make their TCPStore clients on the main thread: torch 2.6 and 2.7 abort
+# ("Tried to deallocate unregistered instance") when threads construct clients concurrently.
 """
 
 # Two ranks of three block in a barrier on daemon threads, with heartbeats; the script ends.
@@ -39,10 +43,10 @@ def wrap(client):  # what ranks hold: a raw TCPStore client, or a PrefixStore ov
 BLOCKED_AT_EXIT = """
 server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 ready = threading.Barrier(3)
+clients = [wrap(dist.TCPStore("127.0.0.1", server.port, is_master=False)) for _ in range(2)]
 
 def rank(r):
-    client = wrap(dist.TCPStore("127.0.0.1", server.port, is_master=False))
-    coll = impl(client, r, 3, heartbeat_interval=timedelta(seconds=0.1))
+    coll = impl(clients[r], r, 3, heartbeat_interval=timedelta(seconds=0.1))
     ready.wait()
     coll.barrier("never-complete", timeout=timedelta(seconds=60))
 
@@ -108,9 +112,10 @@ print("main exits", flush=True)
 RUNNING_AT_EXIT = """
 server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 running = threading.Barrier(3)
+clients = [wrap(dist.TCPStore("127.0.0.1", server.port, is_master=False)) for _ in range(2)]
 
 def churn(r):
-    coll = impl(wrap(dist.TCPStore("127.0.0.1", server.port, is_master=False)), r, 2)
+    coll = impl(clients[r], r, 2)
     coll.all_gather("first", b"x", timeout=30)
     running.wait()
     i = 0
