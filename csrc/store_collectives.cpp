@@ -41,6 +41,10 @@ auto decode(const Op& op, const std::string& key, F decoder) -> decltype(decoder
 
 // Naming the missing ranks happens at the deadline: a new connection for it gets this long.
 constexpr double kDiagnosticsConnect = 2.0;
+// An op's new connection gets at least this long, even with (almost) no time left: a timeout
+// of 0 still reads a result that is there, and a connection slower than a millisecond is no
+// sign of a server that is gone (see open_lane).
+constexpr double kMinConnect = 0.1;
 
 int64_t wrap_sum(const std::vector<int64_t>& values) {
   uint64_t total = 0;
@@ -266,11 +270,24 @@ void StoreCollectives::close(double flush_timeout) {
 // --------------------------------------------------------------------- internals
 
 std::unique_ptr<Lane> StoreCollectives::open_lane(const Op& op) {
+  // Half the time left: torch's connect loop may wait up to its timeout once more before it
+  // gives up, and the op must still end by its deadline.
+  double budget = op.left() / 2;
   try {
-    // Half the time left: torch's connect loop may wait up to its timeout once more before it
-    // gives up, and the op must still end by its deadline.
-    return lanes_->acquire(std::max(op.left() / 2, 0.001));
+    return lanes_->acquire(std::max(budget, kMinConnect));
   } catch (const std::exception& exc) {
+    if (budget < kMinConnect) {
+      // Too little time to tell a slow connection from a server that is gone: the op ran out
+      // of time, which is what it reports.
+      throw CollectiveTimeout(
+          op.name,
+          op.label,
+          op.seconds,
+          world_,
+          std::nullopt,
+          {},
+          "no new connection to the store opened in the time left (" + error_text(exc) + ")");
+    }
     throw CollectiveError(op.name, op.label, "store unreachable: " + error_text(exc));
   }
 }

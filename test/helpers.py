@@ -190,6 +190,81 @@ def run_group(
     return run_ranks(world_size, body, timeout)
 
 
+class Gate:
+    """A store server behind a gate: a TCP forwarder to ``port`` on a port of its own
+    (:attr:`port`). While open it passes every connection on; :meth:`shut` stops it taking
+    new ones (its accept queue fills, so a new connection hangs in the TCP handshake, as to a
+    server that no longer answers) while the connections already made carry on."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+
+        self._target = port
+        self._listener = socket.create_server((HOST, 0), backlog=1)
+        self.port = int(self._listener.getsockname()[1])
+        self._open = threading.Event()
+        self._fill: list[Any] = []
+        self.open()
+
+    def open(self) -> None:
+        """Pass new connections on again (the ones queued meanwhile first)."""
+        self._open.set()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def shut(self) -> None:
+        """Take no new connection: wake the accepting thread so it stops, then fill the queue."""
+        import socket
+
+        self._open.clear()
+        for _ in range(4):  # one wakes the thread, the rest fill the queue of 1 + 1
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect((HOST, self.port))
+            self._fill.append(sock)
+
+    def _accept(self) -> None:
+        while self._open.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            if not self._open.is_set():
+                conn.close()
+                return
+            threading.Thread(target=self._forward, args=(conn,), daemon=True).start()
+
+    def _forward(self, conn: Any) -> None:
+        import socket
+
+        try:
+            up = socket.create_connection((HOST, self._target))
+        except OSError:
+            conn.close()
+            return
+        for src, dst in ((conn, up), (up, conn)):
+            threading.Thread(target=_pump, args=(src, dst), daemon=True).start()
+
+    def close(self) -> None:
+        """Stop for good (the connections already made stay)."""
+        self._open.clear()
+        self._listener.close()
+        for sock in self._fill:
+            sock.close()
+
+
+def _pump(src: Any, dst: Any) -> None:
+    import socket
+
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    with contextlib.suppress(OSError):
+        dst.shutdown(socket.SHUT_WR)
+
+
 # ----------------------------------------------------------------------------- torchrun
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun", "worker.py")

@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch.distributed as dist
-from helpers import HOST, IMPLS, make, run_ranks
+from helpers import HOST, IMPLS, Gate, make, run_ranks
 
-from torch_ctrl.errors import CollectiveAbortedError, CollectiveError
+from torch_ctrl.errors import CollectiveAbortedError, CollectiveError, CollectiveTimeoutError
 
 WORLD = 2
 
@@ -206,3 +206,43 @@ def test_a_chain_whose_prefix_is_unknown_connects_within_the_time_given(monkeypa
         pool.open(1.0)
     # 1 s plus torch's connect back-off and slack; without the bound, the client's 300 s.
     assert time.monotonic() - started < 1.0 + 4.0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+def test_an_op_out_of_time_to_connect_reports_its_timeout(impl: str, kind: str) -> None:
+    # A timed-out op drops its connection, so the next op opens a new one. When the server
+    # takes no new connection, an op with (almost) no time left cannot tell a slow
+    # connection from a server that is gone: it is the op's timeout, not "store unreachable"
+    # (which a poll with timeout 0 reported, before, whenever its connection took over 1 ms).
+    # With time to tell, it is still an unreachable store.
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    gate = Gate(server.port)
+    client = dist.TCPStore(HOST, gate.port, is_master=False)
+    store = dist.PrefixStore("job", client) if kind == "prefix" else client
+    coll = make(impl, store, 1, WORLD)
+    try:
+        with pytest.raises(CollectiveTimeoutError):
+            coll.barrier("first", timeout=0)  # rank 0 never comes; the connection is dropped
+        gate.shut()
+        out_of_time = 0
+        for key, seconds in (("poll", 0), ("poll-again", 0), ("short", 0.05)):
+            # (A connection still pooled serves the op; naming the missing ranks at the deadline
+            # then needs a new one, which also times out: the op's timeout either way.)
+            start = time.monotonic()
+            with pytest.raises(CollectiveTimeoutError) as info:
+                coll.barrier(key, timeout=seconds)
+            msg = str(info.value)
+            assert "unreachable" not in msg and "\n" not in msg, msg
+            if "no new connection to the store opened in the time left" in msg:
+                out_of_time += 1
+                assert time.monotonic() - start < 5  # a connect budget of 0.1 s (torch retries once past it)
+        assert out_of_time >= 1
+        with pytest.raises(CollectiveError, match="store unreachable") as info:
+            coll.barrier("time-to-tell", timeout=1)
+        assert not isinstance(info.value, CollectiveTimeoutError)
+    finally:
+        gate.open()
+        coll.close()
+        gate.close()

@@ -46,6 +46,10 @@ from .watcher import Watcher, connection_lost, leaving
 
 T = TypeVar("T")
 DIAGNOSTICS_CONNECT = 2.0  # seconds a new connection may take to name the missing ranks
+# An op's new connection gets at least this long, even with (almost) no time left: a timeout
+# of 0 still reads a result that is there, and a connection slower than a millisecond is no
+# sign of a server that is gone (see _lane).
+MIN_CONNECT = 0.1
 
 
 @dataclass
@@ -289,13 +293,21 @@ class PyStoreCollectives(ControlCollectives):
 
     def _lane(self, op: _Op) -> Borrowed:
         """``with self._lane(op) as lane``: borrow a lane for ``op`` (dropped, not reused, after
-        an error); failing to open one (store gone) is a one-line CollectiveError."""
+        an error); failing to open one (store gone) is a one-line CollectiveError, or the op's
+        CollectiveTimeoutError when it had too little time left to tell."""
+        # Half the time left: torch's connect loop may wait up to its timeout once more before
+        # it gives up, and the op must still end by its deadline.
+        budget = op.left() / 2
         try:
-            # Half the time left: torch's connect loop may wait up to its timeout once more
-            # before it gives up, and the op must still end by its deadline.
-            return Borrowed(self._lanes, self._lanes.acquire(max(op.left() / 2, 0.001)))
+            return Borrowed(self._lanes, self._lanes.acquire(max(budget, MIN_CONNECT)))
         except Exception as exc:
-            raise collective_error(op.name, op.label, f"store unreachable: {one_line(str(exc))}") from None
+            text = one_line(str(exc))
+            if budget < MIN_CONNECT:
+                # Too little time to tell a slow connection from a server that is gone: the op
+                # ran out of time, which is what it reports.
+                detail = f"no new connection to the store opened in the time left ({text})"
+                raise timeout_error(op.name, op.label, op.seconds, self._world, detail=detail) from None
+            raise collective_error(op.name, op.label, f"store unreachable: {text}") from None
 
     def _sum_counted(self, op: _Op, value: int) -> int:
         """all_sum on the generic path: O(1) store work per rank. Add to one running total,
