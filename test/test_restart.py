@@ -184,6 +184,47 @@ def test_a_new_connection_waits_for_its_turn_only_within_its_time(monkeypatch: p
 
 
 @pytest.mark.timeout(60)
+def test_a_connect_to_a_server_gone_behind_its_address_gives_up_the_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.6-2.7 (no clone()): an address that accepts connections while the server behind
+    it is gone (a server that dies between the check and the connect looks so) holds the turn
+    for one attempt at a time, not for the store's whole timeout: a connection to a live
+    server still opens within its time. (Seen on torch 2.6: a watcher reconnecting to a dying
+    server held every connection of the process for the store's 300 s.)"""
+    from datetime import timedelta
+
+    from torch_ctrl import capabilities, lanes
+
+    monkeypatch.setattr(capabilities, "CLONE", False)
+    live = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    pool = lanes.Lanes(dist.TCPStore(HOST, live.port, is_master=False))
+    dying = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    gate = Gate(dying.port)
+    # What a watcher reconnects with: the store's own timeout (20 s here, 300 s by default).
+    stuck = lanes.Lanes(dist.TCPStore(HOST, gate.port, is_master=False, timeout=timedelta(seconds=20)))
+    del dying  # the gate still accepts; behind it the server is gone
+    in_turn = threading.Event()
+    connect = lanes._tcp_client
+
+    def _tcp_client(store, connect_timeout):  # noqa: ANN001, ANN202 - torch's connect, observed
+        if store.port == gate.port:
+            in_turn.set()
+        return connect(store, connect_timeout)
+
+    monkeypatch.setattr(lanes, "_tcp_client", _tcp_client)
+    reconnecting = threading.Thread(target=lambda: pytest.raises(dist.DistError, stuck.open), daemon=True)
+    reconnecting.start()
+    try:
+        assert in_turn.wait(10)  # it holds the turn now, inside torch's connect
+        started = time.monotonic()
+        pool.release(pool.open(10.0))  # without the bound: "one at a time" after 10 s
+        assert time.monotonic() - started < 8.0
+    finally:
+        gate.close()  # the reconnecting thread now fails its check; it ends by its 20 s
+        reconnecting.join(30)
+    assert not reconnecting.is_alive()
+
+
+@pytest.mark.timeout(60)
 def test_a_chain_whose_prefix_is_unknown_connects_within_the_time_given(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch 2.8-2.9 without the extension: a PrefixStore chain over a TCPStore has clone() but
     no list_keys, so its prefix cannot be learned and new lanes are clones, which connect within

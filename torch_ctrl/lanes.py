@@ -161,6 +161,11 @@ if hasattr(os, "register_at_fork"):
 # construct clients there: one at a time (re-entrant: a caller may hold it around its own
 # construction of torch objects, as the test suite does).
 _CONNECT = threading.RLock()
+# How long one attempt to connect may hold that turn. A connection to a live server takes
+# milliseconds (a second in a stalled reverse lookup); a server that went away after the
+# check below makes torch's connect loop retry for its whole timeout (the store's 300 s
+# for a watcher), and every other connection of the process would wait behind it.
+_TURN = 2.0
 
 
 def new_client(store: dist.TCPStore, connect_timeout: float | None = None) -> dist.TCPStore:
@@ -172,18 +177,27 @@ def new_client(store: dist.TCPStore, connect_timeout: float | None = None) -> di
         return _tcp_client(store, connect_timeout)
     seconds = store.timeout.total_seconds() if connect_timeout is None else connect_timeout
     deadline = time.monotonic() + seconds
-    # A server that is gone is found here, without the turn: one caller's reconnects to it
-    # (a watcher's, every wake) must not hold every other caller's turn for seconds.
-    _reach(store.host, store.port, deadline)
-    if not _CONNECT.acquire(timeout=max(deadline - time.monotonic(), _TICK)):
-        raise dist.DistNetworkError(
-            f"no connection could be started within {seconds:g}s: "
-            "other connections of this process are being opened (one at a time on this torch)"
-        )
-    try:
-        return _tcp_client(store, max(deadline - time.monotonic(), _TICK))
-    finally:
-        _CONNECT.release()
+    pause = 0.01
+    while True:
+        # A server that is gone is found here, without the turn: one caller's reconnects to it
+        # (a watcher's, every wake) must not hold every other caller's turn for seconds.
+        _reach(store.host, store.port, deadline)
+        if not _CONNECT.acquire(timeout=max(deadline - time.monotonic(), _TICK)):
+            raise dist.DistNetworkError(
+                f"no connection could be started within {seconds:g}s: "
+                "other connections of this process are being opened (one at a time on this torch)"
+            )
+        try:
+            return _tcp_client(store, max(min(deadline - time.monotonic(), _TURN), _TICK))
+        except Exception:
+            if time.monotonic() >= deadline:
+                raise
+            # The server went away after the check, or did not answer within one turn:
+            # let the others have theirs, then check it again.
+        finally:
+            _CONNECT.release()
+        time.sleep(max(min(pause, deadline - time.monotonic()), 0))
+        pause = min(pause * 2, 0.5)
 
 
 def _reach(host: str, port: int, deadline: float) -> None:
