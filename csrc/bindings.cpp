@@ -175,6 +175,17 @@ PYBIND11_MODULE(_C, m) {
     py::object obj = py::cast(c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store));
     obj.attr("delete_key")(key);
   };
+  torch_ctrl::python_read_counter = [](c10d::Store& store, const std::string& key) -> int64_t {
+    py::gil_scoped_acquire gil;
+    py::object obj = py::cast(c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store));
+    py::object value = obj.attr("add")(key, 0);
+    // The low 64 bits, as two's complement: what int64 arithmetic would have kept.
+    auto low = PyLong_AsUnsignedLongLongMask(value.ptr());
+    if (low == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+      throw py::error_already_set();
+    }
+    return static_cast<int64_t>(low);
+  };
   // What this build was compiled against, checked at import (torch_ctrl/loader.py).
   m.attr("_torch_version") = TORCH_CTRL_XSTR(TORCH_CTRL_TORCH_VERSION);
   py::dict caps;

@@ -148,8 +148,22 @@ void Lane::set(const std::string& key, const std::string& value) {
   store->set(key, bytes(value));
 }
 
+std::function<int64_t(c10d::Store&, const std::string&)> python_read_counter;
+
 int64_t Lane::add(const std::string& key, int64_t value) {
-  return store->add(key, value);
+  try {
+    return store->add(key, value);
+  } catch (const std::exception& exc) {
+    if (!python_read_counter || std::string(exc.what()).find("Unable to cast Python instance") == std::string::npos) {
+      throw;
+    }
+    // A Python-written store (torch's EtcdStore) keeps an unbounded int: the add was made,
+    // but torch's binding cannot hand back a result past int64. Read the value again, wrapped
+    // at 64 bits as the Python twin wraps it. Only running totals get there (their adds'
+    // results are not used, or read after every rank has added), never counters.
+    auto [base, full] = base_key(store, key);
+    return python_read_counter(*base, full);
+  }
 }
 
 std::function<void(c10d::Store&, const std::string&)> python_delete_key;

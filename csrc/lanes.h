@@ -25,6 +25,9 @@ std::pair<c10::intrusive_ptr<c10d::Store>, std::string> base_key(
 // torch's trampoline for Python-written stores does not forward delete_key to
 // Python; the bindings install this hook to call the Python method directly.
 extern std::function<void(c10d::Store&, const std::string&)> python_delete_key;
+// A Python-written store's add() may return an int past int64, which the trampoline cannot
+// convert; the bindings install this hook to read such a value (add 0) wrapped at 64 bits.
+extern std::function<int64_t(c10d::Store&, const std::string&)> python_read_counter;
 
 struct Lane {
   c10::intrusive_ptr<c10d::Store> store;
