@@ -258,7 +258,7 @@ PYBIND11_MODULE(_C, m) {
     py::object text = arguments::base().attr("ControlCollectives").attr(name).attr("__doc__");
     return py::doc(docs.emplace_back(text.is_none() ? "" : text.cast<std::string>()).c_str());
   };
-  py::class_<StoreCollectives, std::shared_ptr<StoreCollectives>>(m, "StoreCollectives", py::dynamic_attr())
+  auto cls = py::class_<StoreCollectives, std::shared_ptr<StoreCollectives>>(m, "StoreCollectives", py::dynamic_attr())
       .def(py::init([](c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::optional<double> hb) {
              return nogil([&] { return std::make_shared<StoreCollectives>(std::move(store), rank, world, hb); });
            }),
@@ -379,4 +379,12 @@ PYBIND11_MODULE(_C, m) {
           py::arg("flush_timeout"))
       .def_property_readonly("rank", &StoreCollectives::rank)
       .def_property_readonly("world_size", &StoreCollectives::world_size);
+  // Arguments that fit no signature (an unknown keyword, too many): the Python twin's one-line
+  // TypeError, not pybind11's list of signatures. An overload tried only after the method's own.
+  for (const char* name : {"barrier", "broadcast_send", "broadcast_recv", "gather_send", "gather_recv",
+                           "scatter_send", "scatter_recv", "all_gather", "all_sum"}) {
+    cls.def(name, [name](StoreCollectives&, const py::args& args, const py::kwargs& kwargs) {
+      arguments::base().attr("call_error")("CppStoreCollectives", name, args, kwargs);
+    });
+  }
 }

@@ -287,6 +287,34 @@ def test_arguments_convert_alike_in_both_implementations(method: str, kwargs: di
     assert _outcome("cpp", method, kwargs) == _outcome("python", method, kwargs)
 
 
+# Calls whose arguments fit no signature: (method, positional, keyword).
+MISFIT_CALLS = [
+    ("barrier", ("k",), dict(timeoutt=1)),
+    ("barrier", ("k", 1, True, 5), {}),
+    ("barrier", ("k",), dict(key="j")),
+    ("all_gather", ("k", b"x", 1, 2), {}),
+    ("scatter_recv", (), dict(data=b"x")),
+]
+
+
+@pytest.mark.skipif(CppStoreCollectives is None, reason="C++ extension not built")
+@pytest.mark.parametrize("method, args, kwargs", MISFIT_CALLS)
+def test_arguments_that_fit_no_signature_are_one_line_in_both(method: str, args: tuple, kwargs: dict) -> None:
+    """What a Python method raises, from the C++ methods too (not pybind11's list of
+    signatures over several lines), before any store traffic."""
+    texts = []
+    for impl in ("cpp", "python"):
+        store = dist.HashStore()
+        coll = make(impl, store, 0, 2)
+        with pytest.raises(TypeError) as info:
+            getattr(coll, method)(*args, **kwargs)
+        texts.append(str(info.value).split(".", 1)[1])  # less the class name
+        assert "\n" not in str(info.value)
+        assert store.num_keys() == 0
+        coll.close()
+    assert texts[0] == texts[1]
+
+
 @pytest.mark.skipif(CppStoreCollectives is None, reason="C++ extension not built")
 def test_the_calls_go_straight_to_cpp_unless_overridden() -> None:
     """An instance's collective methods are the C++ ones (no Python frame per call), except

@@ -4,13 +4,14 @@ both implementations (so bad input fails the same way, before any store traffic)
 from __future__ import annotations
 
 import abc
+import inspect
 import logging
 import operator
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Union
+from typing import NoReturn, Union
 
 import torch.distributed as dist
 
@@ -339,6 +340,23 @@ def _abort_for(coll: ControlCollectives, exc: BaseException, seconds: float) -> 
 
 
 # --------------------------------------------------------------------------- checks
+
+
+def call_error(owner: str, method: str, args: tuple, kwargs: dict) -> NoReturn:
+    """Raise the one-line TypeError of a call to ``method`` whose arguments do not fit its
+    signature (what a Python method raises; the C++ methods' bindings call this rather than
+    list pybind11's signatures over several lines)."""
+    signature = inspect.signature(getattr(ControlCollectives, method))
+    most = len(signature.parameters)  # self included; every other parameter has a default
+    if len(args) + 1 > most:  # CPython's words
+        given = len(args) + 1
+        raise TypeError(f"{owner}.{method}() takes from 1 to {most} positional arguments but {given} were given")
+    try:
+        signature.bind(None, *args, **kwargs)
+    except TypeError as exc:
+        text = str(exc)
+        raise TypeError(f"{owner}.{method}() {text if text.startswith('got ') else 'got ' + text}") from None
+    raise TypeError(f"{owner}.{method}(): arguments {args!r}, {kwargs!r} do not fit {method}'s signature")
 
 
 def check_init(store: object, rank: object, world_size: object) -> tuple[int, int]:
