@@ -233,6 +233,10 @@ class _Key(str):
     pass
 
 
+class _Bytes(bytes):
+    """A bytes subclass (as NumPy's bytes_)."""
+
+
 # (method, kwargs) on a group of one: each either returns or raises at once, without peers.
 ARGUMENT_CALLS = [
     ("barrier", dict(key=_Key("sub"))),
@@ -261,6 +265,7 @@ ARGUMENT_CALLS = [
     ("scatter_send", dict(key="k", data="s")),
     ("all_gather", dict(key="k", data="text")),
     ("all_gather", dict(key="k", data=[b"x"])),
+    ("all_gather", dict(key="k", data=_Bytes(b"sub"))),  # returned as plain bytes by both
     ("all_sum", dict(key="k", data=_Index())),
     ("all_sum", dict(key="k", data=-(1 << 63))),
     ("all_sum", dict(key="k", data=True)),
@@ -272,7 +277,8 @@ ARGUMENT_CALLS = [
 def _outcome(impl: str, method: str, kwargs: dict) -> tuple:
     coll = make(impl, dist.HashStore(), 0, 1)
     try:
-        return ("returned", getattr(coll, method)(**kwargs))
+        out = getattr(coll, method)(**kwargs)
+        return ("returned", out, [type(x) for x in out] if isinstance(out, list) else type(out))
     except Exception as exc:  # noqa: BLE001 - compared below
         return ("raised", type(exc), str(exc))
     finally:

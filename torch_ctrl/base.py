@@ -421,9 +421,12 @@ def check_key(key: object) -> str | None:
 
 
 def to_bytes(data: object, what: str = "data") -> bytes:
-    """bytes, bytearray, memoryview or str (UTF-8) -> bytes."""
-    if isinstance(data, bytes):
+    """bytes, bytearray, memoryview or str (UTF-8) -> bytes (plain bytes: a subclass, such as
+    NumPy's ``bytes_``, is copied, so results are plain bytes as from the C++ twin)."""
+    if type(data) is bytes:
         return data
+    if isinstance(data, bytes):
+        return bytes(data)
     if data is None:
         raise TypeError(f"{what} is required")
     if isinstance(data, str):
