@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
-from helpers import Stores, make, run_ranks
+from helpers import _CONNECT, Stores, make, run_ranks
 
 import torch_ctrl.elastic as elastic
 from torch_ctrl import capabilities
@@ -280,7 +280,8 @@ class _Round:
     ) -> None:
         from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 
-        store = dist.PrefixStore(f"torch.rendezvous.job.{rnd}", dist.TCPStore("127.0.0.1", server_port))
+        with _CONNECT:  # nodes run on threads: torch 2.6-2.7 abort when they construct clients at once
+            store = dist.PrefixStore(f"torch.rendezvous.job.{rnd}", dist.TCPStore("127.0.0.1", server_port))
         self._info = RendezvousInfo(store, rank, world, RendezvousStoreInfo(*address))
         self._state_holder = SimpleNamespace(state=SimpleNamespace(round=rnd))
         self.use_agent_store = shared  # torch's default: the workers share one store across rounds

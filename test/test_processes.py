@@ -87,12 +87,13 @@ def test_unclosed_instances_exit_cleanly() -> None:
         import threading, torch.distributed as dist, torch_ctrl
         from torch_ctrl import PyStoreCollectives
         server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        def rank(r, cls):
-            c = cls(dist.TCPStore("127.0.0.1", server.port, is_master=False), r, 2)
+        def rank(c):
             for i in range(30):
                 c.all_gather(None, b"x", 30)
         for cls in {classes}:
-            ts = [threading.Thread(target=rank, args=(r, cls)) for r in range(2)]
+            # made on this thread: torch 2.6-2.7 abort when threads construct clients at once
+            cs = [cls(dist.TCPStore("127.0.0.1", server.port, is_master=False), r, 2) for r in range(2)]
+            ts = [threading.Thread(target=rank, args=(c,)) for c in cs]
             [t.start() for t in ts]; [t.join() for t in ts]
         print("done")
         """
