@@ -175,6 +175,14 @@ PYBIND11_MODULE(_C, m) {
     py::object obj = py::cast(c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store));
     obj.attr("delete_key")(key);
   };
+  torch_ctrl::python_interrupt = [](const std::exception& exc) {
+    const auto* err = dynamic_cast<const py::error_already_set*>(&exc);
+    if (err == nullptr) {
+      return false;
+    }
+    py::gil_scoped_acquire gil;
+    return err->matches(PyExc_KeyboardInterrupt) || err->matches(PyExc_SystemExit);
+  };
   torch_ctrl::python_read_counter = [](c10d::Store& store, const std::string& key) -> int64_t {
     py::gil_scoped_acquire gil;
     py::object obj = py::cast(c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store));

@@ -149,6 +149,7 @@ void Lane::set(const std::string& key, const std::string& value) {
 }
 
 std::function<int64_t(c10d::Store&, const std::string&)> python_read_counter;
+std::function<bool(const std::exception&)> python_interrupt;
 
 int64_t Lane::add(const std::string& key, int64_t value) {
   try {

@@ -28,6 +28,9 @@ extern std::function<void(c10d::Store&, const std::string&)> python_delete_key;
 // A Python-written store's add() may return an int past int64, which the trampoline cannot
 // convert; the bindings install this hook to read such a value (add 0) wrapped at 64 bits.
 extern std::function<int64_t(c10d::Store&, const std::string&)> python_read_counter;
+// Whether a store call's exception is an interruption raised in a Python-written store
+// (KeyboardInterrupt, SystemExit): it goes to the caller as it is, not as a store error.
+extern std::function<bool(const std::exception&)> python_interrupt;
 
 struct Lane {
   c10::intrusive_ptr<c10d::Store> store;

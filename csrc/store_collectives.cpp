@@ -603,6 +603,9 @@ void StoreCollectives::raise_abort(const Op& op, const std::string& notice) {
 // ------------------------------------------------------------------- diagnostics
 
 void StoreCollectives::failure(const Op& op, const std::exception& exc) {
+  if (python_interrupt && python_interrupt(exc)) {
+    throw;  // Ctrl-C (or sys.exit) inside a Python-written store: the caller's, as it is
+  }
   if (const auto* already = dynamic_cast<const CollectiveError*>(&exc)) {
     throw *already;  // already says what happened (e.g. a value torch_ctrl could not have written)
   }

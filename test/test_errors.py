@@ -222,6 +222,27 @@ def test_store_error_is_one_line(impl: str) -> None:
     assert isinstance(info.value, dist.DistStoreError)
 
 
+class _Interrupted(DictStore):
+    """A Python-written store in which the user presses Ctrl-C (or a call runs sys.exit)."""
+
+    def __init__(self, exc: type[BaseException]) -> None:
+        super().__init__()
+        self.exc = exc
+
+    def add(self, key: str, value: int) -> int:
+        raise self.exc()
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_an_interruption_in_a_python_store_reaches_the_caller_as_it_is(impl: str, exc: type) -> None:
+    """Not a CollectiveError that an ``except CollectiveError`` would swallow: Ctrl-C stops."""
+    store = _Interrupted(exc)
+    coll = make(impl, store, 0, 2)
+    with pytest.raises(exc):
+        coll.barrier("k", timeout=5)  # the generic barrier's first call is an add
+    coll.close(flush_timeout=0.5)
+
+
 class _Index:
     """An int-like object (``operator.index`` accepts it), like numpy's integers."""
 
