@@ -258,6 +258,10 @@ def test_an_op_out_of_time_to_connect_reports_its_timeout(impl: str, kind: str) 
     # connection from a server that is gone: it is the op's timeout, not "store unreachable"
     # (which a poll with timeout 0 reported, before, whenever its connection took over 1 ms).
     # With time to tell, it is still an unreachable store.
+    from torch_ctrl import capabilities
+
+    if impl == "python" and kind == "prefix" and not capabilities.CLONE:
+        pytest.skip("this torch's stores have no clone(): the Python twin shares the chain's client")
     server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
     gate = Gate(server.port)
     client = dist.TCPStore(HOST, gate.port, is_master=False)
@@ -275,7 +279,7 @@ def test_an_op_out_of_time_to_connect_reports_its_timeout(impl: str, kind: str) 
             with pytest.raises(CollectiveTimeoutError) as info:
                 coll.barrier(key, timeout=seconds)
             msg = str(info.value)
-            assert "unreachable" not in msg and "\n" not in msg, msg
+            assert "store unreachable" not in msg and "\n" not in msg, msg
             if "no new connection to the store opened in the time left" in msg:
                 out_of_time += 1
                 assert time.monotonic() - start < 5  # a connect budget of 0.1 s (torch retries once past it)
