@@ -389,9 +389,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("world_size", &StoreCollectives::world_size);
   // Arguments that fit no signature (an unknown keyword, too many): the Python twin's one-line
   // TypeError, not pybind11's list of signatures. An overload tried only after the method's own.
-  for (const char* name : {"barrier", "broadcast_send", "broadcast_recv", "gather_send", "gather_recv",
-                           "scatter_send", "scatter_recv", "all_gather", "all_sum"}) {
-    cls.def(name, [name](StoreCollectives&, const py::args& args, const py::kwargs& kwargs) {
+  for (const auto& method : arguments::base().attr("METHODS")) {  // the nine collectives
+    std::string name = method.cast<std::string>();
+    cls.def(name.c_str(), [name](StoreCollectives&, const py::args& args, const py::kwargs& kwargs) {
       arguments::base().attr("call_error")("CppStoreCollectives", name, args, kwargs);
     });
   }
