@@ -267,10 +267,13 @@ PYBIND11_MODULE(_C, m) {
     return py::doc(docs.emplace_back(text.is_none() ? "" : text.cast<std::string>()).c_str());
   };
   auto cls = py::class_<StoreCollectives, std::shared_ptr<StoreCollectives>>(m, "StoreCollectives", py::dynamic_attr())
-      .def(py::init([](c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::optional<double> hb) {
-             return nogil([&] { return std::make_shared<StoreCollectives>(std::move(store), rank, world, hb); });
+      .def(py::init([](c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::optional<double> hb,
+                       bool cas, bool deletes) {
+             return nogil(
+                 [&] { return std::make_shared<StoreCollectives>(std::move(store), rank, world, hb, cas, deletes); });
            }),
-           py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("heartbeat_interval") = py::none())
+           py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("heartbeat_interval") = py::none(),
+           py::arg("cas") = true, py::arg("deletes") = true)
       .def("abort",
            [](StoreCollectives& s, const std::string& reason) {
              check_owner(s, "abort");

@@ -133,6 +133,14 @@ std::string abort_key(int world_size) {
   return group_key(world_size, "abort");
 }
 
+std::string entry_count(const std::string& key) {
+  return key + "/e";
+}
+
+std::string entry(const std::string& key, int64_t index) {
+  return key + "/e" + std::to_string(index);
+}
+
 std::string chunk_key(const std::string& key, size_t index) {
   return key + "/c" + std::to_string(index);
 }

@@ -51,6 +51,10 @@ std::string group_key(int world_size, const std::string& name);
 // The group's abort notice "{rank}:{reason}", written once (compare_set from empty).
 std::string abort_key(int world_size);
 std::string chunk_key(const std::string& key, size_t index);
+// On a store without compare_set: the counter (add) of the entries appended to `key` (or the
+// ticket of a write-once `key`), "{key}/e", and entry `index` (from 1), "{key}/e{index}".
+std::string entry_count(const std::string& key);
+std::string entry(const std::string& key, int64_t index);
 std::string frame_key(const std::string& log_key, int rank);
 // Tagged value for `payload` at `key`, and the chunk (key, value) pairs to write first.
 std::pair<std::string, std::vector<std::pair<std::string, std::string>>> pack(

@@ -170,6 +170,9 @@ int64_t Lane::add(const std::string& key, int64_t value) {
 std::function<void(c10d::Store&, const std::string&)> python_delete_key;
 
 void Lane::remove(const std::string& key) {
+  if (!deletes) {
+    return;
+  }
   try {
     store->deleteKey(key);
   } catch (const std::exception& exc) {
@@ -182,7 +185,21 @@ void Lane::remove(const std::string& key) {
   }
 }
 
+void Lane::drop_counter(const std::string& key) {
+  if (deletes) {
+    remove(key);
+  } else {
+    add(key, -add(key, 0));
+  }
+}
+
 std::optional<std::string> Lane::peek(const std::string& key) {
+  if (!cas) {
+    if (!store->check({key})) {
+      return std::nullopt;
+    }
+    return str(store->get(key));
+  }
   std::string value = str(store->compareSet(key, bytes(keys::kMissing), bytes(keys::kNever)));
   if (value == keys::kMissing) {
     return std::nullopt;
@@ -204,9 +221,48 @@ std::vector<std::optional<std::string>> Lane::peek_many(const std::vector<std::s
   return out;
 }
 
+std::optional<std::string> Lane::peek_log(const std::string& key, int64_t most) {
+  if (extended || cas) {
+    return peek(key);
+  }
+  auto count = peek(keys::entry_count(key));
+  if (!count) {
+    return std::nullopt;
+  }
+  std::vector<std::string> entries;
+  for (int64_t i = 1, n = std::min(keys::parse_counter(*count), most); i <= n; ++i) {
+    entries.push_back(keys::entry(key, i));
+  }
+  // An entry is written just after its number is taken: one not there yet is left out.
+  std::string log;
+  for (const auto& value : peek_many(entries)) {
+    if (value) {
+      log += *value;
+    }
+  }
+  return log;
+}
+
+std::string Lane::claim(const std::string& key, const std::string& value) {
+  if (cas) {
+    return str(store->compareSet(key, {}, bytes(value)));
+  }
+  // Without compare_set the first to take the ticket writes; a later caller that finds
+  // nothing written yet gets its own value back.
+  if (add(keys::entry_count(key), 1) == 1) {
+    set(key, value);
+    return value;
+  }
+  return peek(key).value_or(value);
+}
+
 void Lane::append(const std::string& key, const std::string& value) {
   if (extended) {
     store->append(key, bytes(value));
+    return;
+  }
+  if (!cas) {
+    set(keys::entry(key, add(keys::entry_count(key), 1)), value);
     return;
   }
   std::string expected, desired = value;
@@ -360,7 +416,8 @@ std::optional<std::vector<std::string>> Lane::list_keys() {
   }
 }
 
-Lanes::Lanes(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {
+Lanes::Lanes(c10::intrusive_ptr<c10d::Store> store, bool cas, bool deletes)
+    : store_(std::move(store)), cas_(cas), deletes_(deletes) {
   auto base = base_store(store_);
   bool tcp = dynamic_cast<c10d::TCPStore*>(base.get()) != nullptr;
   bool file = dynamic_cast<c10d::FileStore*>(base.get()) != nullptr;
@@ -412,6 +469,8 @@ std::unique_ptr<Lane> Lanes::open(double connect_timeout) {
   lane->prefix = prefix_;
   lane->extended = extended_;
   lane->polled = polled_;
+  lane->cas = cas_;
+  lane->deletes = deletes_;
   return lane;
 }
 

@@ -38,6 +38,8 @@ struct Lane {
   bool native_barrier = false;
   bool extended = false;
   bool polled = false;  // a FileStore (under any PrefixStores): waits poll check() faster than it
+  bool cas = true;  // compare_set may be called (see store_api in torch_ctrl/lanes.py)
+  bool deletes = true;  // delete_key may be called
   double timeout = -1.0;
   // On the TCPStore path under PrefixStores: what they put before a key, and the TCPStore
   // under them (PrefixStore does not forward barrier(), so it is called there, with the full key).
@@ -47,7 +49,16 @@ struct Lane {
   void set(const std::string& key, const std::string& value);
   int64_t add(const std::string& key, int64_t value);
   void remove(const std::string& key);  // delete_key
+  // Delete a counter of this rank's own; where keys cannot be deleted, bring it back to 0,
+  // which its readers take for absent (a heartbeat).
+  void drop_counter(const std::string& key);
+  // Read without waiting or writing (without compare_set: check, then get; keys never vanish
+  // on such a store); nullopt when the key does not exist.
   std::optional<std::string> peek(const std::string& key);
+  // Read what was appended to `key`, at most `most` entries where entries are separate keys.
+  std::optional<std::string> peek_log(const std::string& key, int64_t most);
+  // Write `value` unless a value was written first; return the value that stands.
+  std::string claim(const std::string& key, const std::string& value);
   // peek several keys: one check and one multi_get when all exist.
   std::vector<std::optional<std::string>> peek_many(const std::vector<std::string>& keys);
   void append(const std::string& key, const std::string& value);
@@ -71,7 +82,9 @@ struct Lane {
 
 class Lanes {
  public:
-  explicit Lanes(c10::intrusive_ptr<c10d::Store> store);
+  // cas, deletes: whether the store's compare_set and delete_key may be called, as
+  // torch_ctrl.lanes.store_api answers for it (the bindings pass its answer).
+  explicit Lanes(c10::intrusive_ptr<c10d::Store> store, bool cas = true, bool deletes = true);
   // connect_timeout (seconds, > 0): the longest a new connection may take to open (an op's
   // time left), so that a server that is gone cannot hold an op past its deadline.
   std::unique_ptr<Lane> acquire(double connect_timeout = -1.0);
@@ -81,6 +94,7 @@ class Lanes {
   void close();
   bool owned() const { return owned_; }
   bool native_barrier() const { return native_barrier_; }
+  bool deletes() const { return deletes_; }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;
@@ -88,6 +102,8 @@ class Lanes {
   bool native_barrier_;
   bool extended_;
   bool polled_;  // a FileStore under any PrefixStores
+  bool cas_;
+  bool deletes_;
   std::string prefix_;
   bool tcp_ = false;  // a TCPStore under the PrefixStores: new lanes are new clients
   std::mutex mutex_;

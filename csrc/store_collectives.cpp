@@ -83,9 +83,11 @@ StoreCollectives::StoreCollectives(
     c10::intrusive_ptr<c10d::Store> store,
     int rank,
     int world_size,
-    std::optional<double> heartbeat_interval)
+    std::optional<double> heartbeat_interval,
+    bool cas,
+    bool deletes)
     : store_(std::move(store)), rank_(rank), world_(world_size) {
-  lanes_ = std::make_shared<Lanes>(store_);
+  lanes_ = std::make_shared<Lanes>(store_, cas, deletes);
   watcher_ = std::make_unique<Watcher>(lanes_, rank_, world_, heartbeat_interval);
   // One read at construction: a group aborted earlier fails every op at once.
   std::optional<std::string> notice;
@@ -103,13 +105,12 @@ StoreCollectives::StoreCollectives(
 
 void StoreCollectives::abort(const std::string& reason) {
   std::string mine = std::to_string(rank_) + ":" + reason;
-  std::vector<uint8_t> stored;
+  std::string stored;
   {
     LaneGuard lane(*lanes_);
-    stored = lane->store->compareSet(
-        watcher_->abort_key(), std::vector<uint8_t>{}, std::vector<uint8_t>(mine.begin(), mine.end()));
+    stored = lane->claim(watcher_->abort_key(), mine);
   }
-  watcher_->aborted(std::string(stored.begin(), stored.end()));
+  watcher_->aborted(stored);
 }
 
 Wake StoreCollectives::wake_set(Keys keys) {
@@ -648,7 +649,7 @@ void StoreCollectives::timeout(const Op& op, Lane& lane) {
     }
   } else {  // barrier
     lane.append(op.key(K::kNames), std::to_string(rank_) + ",");
-    present = K::parse_names(lane.peek(op.key(K::kNames)).value_or(""), world_);
+    present = K::parse_names(lane.peek_log(op.key(K::kNames), world_).value_or(""), world_);
     auto counter = lane.peek(op.key(K::kArrive));
     arrived = counter ? static_cast<int>(std::min<int64_t>(K::parse_counter(*counter), world_))
                       : static_cast<int>(present.size());
@@ -694,6 +695,9 @@ std::set<int> StoreCollectives::present_slots(const Op& op, Lane& lane) {
 // ----------------------------------------------------------------------- cleanup
 
 void StoreCollectives::delete_later(std::vector<std::string> keys) {
+  if (!lanes_->deletes()) {  // a store whose keys stay (see store_api in torch_ctrl/lanes.py)
+    return;
+  }
   watcher_->submit([keys = std::move(keys)](Lane& lane) {
     for (const auto& key : keys) {
       lane.remove(key);
@@ -708,6 +712,9 @@ void StoreCollectives::exit_later(
     std::vector<std::string> extra,
     const std::string& counter,
     bool slots) {
+  if (!lanes_->deletes()) {  // nothing to delete: no exit count either
+    return;
+  }
   // NAMES logs are deleted by the ranks that wrote them (see Watcher::Blocked). Built on
   // `extra` (chunk keys, rarely any): no second vector.
   std::vector<std::string> keys = std::move(extra);

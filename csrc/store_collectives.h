@@ -53,7 +53,9 @@ class StoreCollectives {
       c10::intrusive_ptr<c10d::Store> store,
       int rank,
       int world_size,
-      std::optional<double> heartbeat_interval = std::nullopt);
+      std::optional<double> heartbeat_interval = std::nullopt,
+      bool cas = true,
+      bool deletes = true);
   ~StoreCollectives();
 
   void barrier(const Key& key, double timeout, bool block);

@@ -242,6 +242,9 @@ void Watcher::poll(State& st, Lane& lane) {
     }
     auto values = lane.peek_many(st.hb_keys);
     for (size_t r = 0; r < values.size(); ++r) {
+      if (values[r] == "0") {  // dropped where keys cannot be deleted (Lane::drop_counter)
+        values[r].reset();
+      }
       Beat& beat = st.beats[r];
       if (values[r] != beat.value) {
         beat.value = values[r];
@@ -253,9 +256,7 @@ void Watcher::poll(State& st, Lane& lane) {
         char reason[96];
         std::snprintf(reason, sizeof(reason), "%zu:no heartbeat for %.1fs (process died or hung)", r, silent);
         std::string mine(reason);
-        auto stored = lane.store->compareSet(
-            st.abort_key, std::vector<uint8_t>{}, std::vector<uint8_t>(mine.begin(), mine.end()));
-        notice = std::string(stored.begin(), stored.end());
+        notice = lane.claim(st.abort_key, mine);
         break;
       }
     }
@@ -390,7 +391,7 @@ void Watcher::run(std::shared_ptr<State> st) {
     // A closed rank is not dead: drop its heartbeat (peers skip missing ones).
     lock.unlock();
     try {
-      lane->remove(st->hb_key);
+      lane->drop_counter(st->hb_key);
     } catch (const std::exception&) {
     }
     lock.lock();

@@ -32,7 +32,8 @@ _SERIAL = not capabilities.CLONE
 
 
 class DictStore(dist.Store):
-    """A Python-written store with only the basic API (like torch's EtcdStore): thread safe."""
+    """A Python-written store with the basic API, compare_set, delete_key and num_keys:
+    thread safe."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -91,6 +92,27 @@ class DictStore(dist.Store):
             return len(self._data)
 
 
+class BasicStore(dist.Store):
+    """A Python-written store with the methods torch's EtcdStore defines (set, get, add,
+    check, wait), so no compare_set and no delete_key. ``num_keys`` is there for the tests
+    only (collectives never call it: test_etcd runs them on torch's EtcdStore itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._data: dict[str, bytes] = {}
+        self._cv = threading.Condition()
+
+    set = DictStore.set
+    get = DictStore.get
+    add = DictStore.add
+    check = DictStore.check
+    wait = DictStore.wait
+
+    def num_keys(self) -> int:
+        with self._cv:
+            return len(self._data)
+
+
 class Stores:
     """A family of store handles on one backing store: ``client(rank)`` and ``admin``."""
 
@@ -110,6 +132,8 @@ class Stores:
             self._shared: dist.Store = dist.HashStore()
         elif kind == "python":
             self._shared = DictStore()
+        elif kind == "basic":
+            self._shared = BasicStore()
         else:
             raise ValueError(kind)
         self.admin = self.client(-1)
@@ -132,7 +156,7 @@ class Stores:
         return self._shared
 
 
-STORE_KINDS = ["tcp", "tcp_nolibuv", "file", "hash", "prefix", "prefix_nested", "python"]
+STORE_KINDS = ["tcp", "tcp_nolibuv", "file", "hash", "prefix", "prefix_nested", "python", "basic"]
 IMPLS = ["cpp", "python", "mixed"] if CppStoreCollectives is not None else ["python"]
 
 
@@ -379,13 +403,18 @@ def torchrun_two_nodes(
     timeout: float = 150.0,
     env: dict[str, str] | None = None,
     during: Callable[[list[Node]], None] | None = None,
+    endpoint: str | None = None,
+    run_id: str | None = None,
 ) -> list[Node]:
     """Two torchruns (2 workers each) on 127.0.0.1 running ``worker.py *mode``; node
     ``host_node`` hosts the rendezvous store; ``failing_node``'s local rank 1 gets
     ``CTRL_TEST_FAIL=1``; ``backend=None`` leaves ``--rdzv-backend`` out; ``env`` is added to
-    both launchers' environment; ``during(nodes)`` runs once both are started. Node 0 starts
-    first, so it becomes node rank 0 (ranks follow pids)."""
+    both launchers' environment; ``during(nodes)`` runs once both are started; ``endpoint``
+    replaces the rendezvous endpoint (a free port on 127.0.0.1) and ``run_id`` the run id
+    (``test{port}``). Node 0 starts first, so it
+    becomes node rank 0 (ranks follow pids)."""
     port = free_port()
+    endpoint = endpoint or f"{HOST}:{port}"
     nodes: list[Node] = []
     try:
         for n in (0, 1):
@@ -393,8 +422,8 @@ def torchrun_two_nodes(
                 "--nnodes=2",
                 "--nproc-per-node=2",
                 *([f"--rdzv-backend={backend}"] if backend else []),
-                f"--rdzv-endpoint={HOST}:{port}",
-                f"--rdzv-id=test{port}",
+                f"--rdzv-endpoint={endpoint}",
+                f"--rdzv-id={run_id or f'test{port}'}",
                 f"--rdzv-conf=is_host={int(n == host_node)}",
                 f"--max-restarts={max_restarts}",
                 "--monitor-interval=0.1",

@@ -39,7 +39,7 @@ def _blocked_op(coll, rank: int, op: str) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("op", ["barrier", "broadcast_recv", "gather_recv", "scatter_recv", "all_gather", "all_sum"])
-@pytest.mark.parametrize("kind", ["tcp", "hash", "file", "python"])
+@pytest.mark.parametrize("kind", ["tcp", "hash", "file", "python", "basic"])
 def test_abort_wakes_blocked_peers_within_a_second(impl: str, kind: str, op: str) -> None:
     stores = Stores(kind)
     aborted_at: list[float] = []

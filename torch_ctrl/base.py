@@ -16,6 +16,7 @@ from typing import NoReturn, Union
 import torch.distributed as dist
 
 from .errors import one_line
+from .lanes import BASIC, base_store, python_methods
 
 Data = Union[bytes, bytearray, memoryview, str]
 Timeout = Union[timedelta, int, float]
@@ -363,6 +364,21 @@ def check_init(store: object, rank: object, world_size: object) -> tuple[int, in
     """Validate constructor arguments; returns ``(rank, world_size)``."""
     if not isinstance(store, dist.Store):
         raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
+    methods = python_methods(store)
+    if type(base_store(store)) is dist.Store:
+        # What torch hands back for a Python-written store whose Python object is gone (only a
+        # PrefixStore held it): its methods went with it, and every call would fail.
+        raise TypeError(
+            "the store under the PrefixStore is a bare torch.distributed.Store: a Python-written "
+            "store's methods are lost once nothing holds its Python object (keep a reference to it)"
+        )
+    missing = [m for m in BASIC if methods is not None and m not in methods]
+    if missing:
+        raise TypeError(
+            f"store {type(base_store(store)).__name__} (written in Python) does not implement "
+            f"{', '.join(missing)}: collectives need {', '.join(BASIC)} (compare_set and delete_key "
+            "are used where present)"
+        )
     rank_i, world_i = _int("rank", rank), _int("world_size", world_size)
     if not 1 <= world_i <= MAX_WORLD_SIZE:
         raise ValueError(f"world_size must be in [1, {MAX_WORLD_SIZE}], got {world_i}")

@@ -29,6 +29,7 @@ from .base import (
     check_reason,
 )
 from .errors import forked_error
+from .lanes import store_api
 
 _LIVE: weakref.WeakSet[CppStoreCollectives] = weakref.WeakSet()
 
@@ -77,7 +78,8 @@ class CppStoreCollectives(ControlCollectives):
         self._store = store
         self._owner = os.getpid()
         self._rank, self._world = rank, world_size
-        self._native = _C.StoreCollectives(store, rank, world_size, heartbeat)
+        cas, deletes = store_api(store)  # the Python twin's answer, so that both agree
+        self._native = _C.StoreCollectives(store, rank, world_size, heartbeat, cas, deletes)
         _LIVE.add(self)
         self._shortcut()
 

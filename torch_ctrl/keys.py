@@ -134,6 +134,17 @@ def chunk_key(key: str, index: int) -> str:
     return f"{key}/c{index}"
 
 
+def entry_count(key: str) -> str:
+    """On a store without ``compare_set``: the counter (``add``) of the entries appended to
+    ``key`` (or the ticket of a write-once ``key``): ``{key}/e``."""
+    return f"{key}/e"
+
+
+def entry(key: str, index: int) -> str:
+    """On a store without ``compare_set``: entry ``index`` (from 1) appended to ``key``."""
+    return f"{key}/e{index}"
+
+
 def frame_key(log_key: str, rank: int) -> str:
     """Virtual key of ``rank``'s frame in a log: its chunks live under it."""
     return f"{log_key}/{rank}"

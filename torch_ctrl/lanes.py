@@ -60,6 +60,39 @@ def base_store(store: dist.Store) -> dist.Store:
     return store
 
 
+# What every store must implement. compare_set and delete_key are used where a store has them
+# (torch's EtcdStore has neither): see Lanes.cas and Lanes.deletes.
+BASIC = ("set", "get", "add", "check", "wait")
+
+
+def python_methods(store: dist.Store) -> frozenset[str] | None:
+    """The store methods that the Python-written store under any PrefixStores defines, or
+    ``None`` for torch's own stores (and Python subclasses of them), which have them all.
+    torch's binding of a method the Python class does not define fails when called ("Not
+    implemented"), so this is read from the class, never by calling."""
+    defined: set[str] = set()
+    for cls in type(base_store(store)).__mro__:
+        if cls is dist.Store:
+            return frozenset(defined)
+        if cls.__module__.startswith("torch._C"):
+            return None
+        defined.update(cls.__dict__)
+    return None
+
+
+def store_api(store: dist.Store) -> tuple[bool, bool]:
+    """``(cas, deletes)``: whether ops may call the store's ``compare_set`` and ``delete_key``.
+    Without compare_set a read that must not block is ``check`` then ``get``, which is safe
+    only while keys never vanish: so such a store gets no deletes either (its keys stay, as
+    torch's class leaves them). Both implementations take this from here (the C++ one at
+    construction), so a mixed group agrees on the key layout."""
+    methods = python_methods(store)
+    if methods is None:
+        return True, True
+    cas = "compare_set" in methods
+    return cas, cas and "delete_key" in methods
+
+
 def key_prefix(store: dist.Store) -> str:
     """What the PrefixStores over a Python-written store put before a key: ``key`` is
     ``prefix + key`` to that store. torch does not expose a PrefixStore's prefix to Python,
@@ -245,8 +278,12 @@ class Lane:
         extended: bool,
         sliced: bool = False,
         polled: bool = False,
+        cas: bool = True,
+        deletes: bool = True,
     ) -> None:
         self.store = store
+        self.cas = cas  # compare_set may be called (see store_api)
+        self.deletes = deletes  # delete_key may be called
         self.owned = owned
         self.native_barrier = native_barrier
         self.extended = extended
@@ -265,6 +302,8 @@ class Lane:
         return int(self.store.add(key, value))
 
     def delete(self, key: str) -> None:
+        if not self.deletes:
+            return
         try:
             self.store.delete_key(key)
         except RuntimeError as exc:
@@ -276,9 +315,44 @@ class Lane:
                 self._prefix = key_prefix(self.store)
             base_store(self.store).delete_key(self._prefix + key)
 
+    def drop_counter(self, key: str) -> None:
+        """Delete a counter of this rank's own; where keys cannot be deleted, bring it back to
+        0, which its readers take for absent (a heartbeat)."""
+        if self.deletes:
+            self.delete(key)
+        else:
+            self.add(key, -self.add(key, 0))
+
     def peek(self, key: str) -> bytes | None:
-        """Read ``key`` without waiting or writing; ``None`` when it does not exist."""
-        return peek(self.store, key)
+        """Read ``key`` without waiting or writing; ``None`` when it does not exist (without
+        compare_set: ``check``, then ``get``; keys never vanish on such a store)."""
+        if self.cas:
+            return peek(self.store, key)
+        return bytes(self.store.get(key)) if self.store.check([key]) else None
+
+    def peek_log(self, key: str, most: int) -> bytes | None:
+        """Read what was appended to ``key`` (see :meth:`append`), at most ``most`` entries
+        where entries are separate keys; ``None`` when nothing was."""
+        if self.extended or self.cas:
+            return self.peek(key)
+        count = self.peek(K.entry_count(key))
+        if count is None:
+            return None
+        entries = [K.entry(key, i) for i in range(1, min(K.parse_counter(count), most) + 1)]
+        # An entry is written just after its number is taken: one not there yet is left out.
+        return b"".join(v for v in self.peek_many(entries) if v is not None)
+
+    def claim(self, key: str, value: bytes) -> bytes:
+        """Write ``value`` to ``key`` unless some value was written first; return the value
+        that stands (``compare_set`` from empty). Without compare_set the first to take the
+        ticket ``entry_count(key)`` writes; a later caller that finds nothing written yet gets
+        its own ``value`` back."""
+        if self.cas:
+            return bytes(self.store.compare_set(key, b"", value))
+        if self.add(K.entry_count(key), 1) == 1:
+            self.set(key, value)
+            return value
+        return self.peek(key) or value
 
     def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """``peek`` several keys: one check and one multi_get when all exist."""
@@ -287,9 +361,13 @@ class Lane:
         return [self.peek(k) for k in keys]
 
     def append(self, key: str, value: bytes) -> None:
-        """Atomic append; emulated with compare_set where the store lacks it."""
+        """Atomic append; emulated with compare_set where the store lacks it, and as numbered
+        entry keys (``entry_count``, ``entry``) where it lacks compare_set too."""
         if self.extended:
             self.store.append(key, value)
+            return
+        if not self.cas:
+            self.set(K.entry(key, self.add(K.entry_count(key), 1)), value)
             return
         expected, desired = b"", value
         while True:
@@ -449,6 +527,7 @@ class Lanes:
             self.extended = bool(store.has_extended_api())
         except Exception:  # noqa: BLE001 - Python stores may not implement it
             self.extended = False
+        self.cas, self.deletes = store_api(store)
         self._free: list[Lane] = []
         self._lock = threading.Lock()
         # What the PrefixStores put before a key: the server-side barrier is called on the
@@ -478,7 +557,9 @@ class Lanes:
         else:
             with _FORK_GATE:
                 handle = self._connect(connect_timeout)
-        lane = Lane(handle, self.owned, self.native_barrier, self.extended, self.sliced, self.polled)
+        lane = Lane(
+            handle, self.owned, self.native_barrier, self.extended, self.sliced, self.polled, self.cas, self.deletes
+        )
         lane.prefix = getattr(self, "prefix", "")
         return lane
 

@@ -243,7 +243,7 @@ class PyStoreCollectives(ControlCollectives):
         self._check_process("abort")
         mine = b"%d:%s" % (self._rank, reason.encode("utf-8", "replace"))
         with self._lanes.lane() as lane:
-            notice = bytes(lane.store.compare_set(self._watcher.abort_key, b"", mine))
+            notice = lane.claim(self._watcher.abort_key, mine)
         self._watcher.aborted(notice)
 
     def close(self, flush_timeout: float = 5.0) -> None:
@@ -545,7 +545,7 @@ class PyStoreCollectives(ControlCollectives):
             present = {r for r, _ in K.parse_frames(lane.peek(op.key(K.LOG)) or b"", self._world) if r >= 0}
         else:  # barrier
             lane.append(op.key(K.NAMES), b"%d," % self._rank)
-            present = K.parse_names(lane.peek(op.key(K.NAMES)) or b"", self._world)
+            present = K.parse_names(lane.peek_log(op.key(K.NAMES), self._world) or b"", self._world)
             counter = lane.peek(op.key(K.ARRIVE))
             arrived = K.parse_counter(counter) if counter is not None else len(present)
             present.add(self._rank)
@@ -570,6 +570,9 @@ class PyStoreCollectives(ControlCollectives):
 
     # ------------------------------------------------------------------ cleanup
     def _delete_later(self, keys: list[str]) -> None:
+        if not self._lanes.deletes:  # a store whose keys stay (see lanes.store_api)
+            return
+
         def task(lane: Lane) -> None:
             for key in keys:
                 lane.delete(key)
@@ -588,6 +591,8 @@ class PyStoreCollectives(ControlCollectives):
         """Count this rank out on ``counter``; the rank that brings it to ``expected`` deletes the
         op's keys, and every rank's slot if ``slots`` (NAMES logs are deleted by the ranks that
         wrote them, see Watcher.blocked)."""
+        if not self._lanes.deletes:  # nothing to delete: no exit count either
+            return
         keys = [op.key(f) for f in fields] + list(extra)
         if expected == 1:  # the only participant (a broadcast's one receiver): nothing to count
             self._delete_later(keys)

@@ -346,7 +346,7 @@ class Watcher:
                     break
         if self._heartbeat is not None:
             # A closed rank is not dead: drop its heartbeat (peers skip missing ones).
-            self._safely(lambda ln: ln.delete(self._hb_key), lane)
+            self._safely(lambda ln: ln.drop_counter(self._hb_key), lane)
         with self._cv:
             self._running = False
             self._cv.notify_all()
@@ -359,7 +359,7 @@ class Watcher:
             if dead is not None:
                 rank, silent = dead
                 mine = b"%d:no heartbeat for %.1fs (process died or hung)" % (rank, silent)
-                notice = bytes(lane.store.compare_set(self.abort_key, b"", mine))
+                notice = lane.claim(self.abort_key, mine)
         if notice is not None:
             self.aborted(notice)
 
@@ -372,6 +372,8 @@ class Watcher:
         now = time.monotonic()
         values = lane.peek_many(self._hb_keys)
         for rank, value in enumerate(values):
+            if value == b"0":  # dropped where keys cannot be deleted (Lane.drop_counter)
+                value = None
             beat = self._beats[rank]
             if value != beat.value:
                 beat.value, beat.since = value, now

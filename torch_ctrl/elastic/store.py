@@ -5,7 +5,8 @@ Same functions, signatures and return values as torch's module; what changes:
 * a timed-out :func:`barrier` raises ``DistStoreError`` on *every* rank, naming the
   missing ranks (through ``rank_tracing_decoder``, e.g. as host names) without a
   second tracing round;
-* every key written under ``key_prefix`` is deleted once all ranks are done, so a
+* every key written under ``key_prefix`` is deleted once all ranks are done (where the
+  store can delete keys: not torch's EtcdStore, see ``docs/protocol.md``), so a
   prefix can be reused and the store does not grow;
 * only :func:`store_timeout` changes a store's timeout (and restores it even when
   the block raises); the collectives pass their timeout per call.
