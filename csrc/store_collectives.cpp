@@ -164,8 +164,7 @@ void StoreCollectives::broadcast_send(const Key& key, const std::string& data, d
   if (world_ == 1) {
     return;
   }
-  LaneGuard lane(*lanes_, open_lane(op));
-  put(*lane, op.key(K::kDone), data);
+  send(op, [&](Lane& lane) { put(lane, op.key(K::kDone), data); });
 }
 
 std::string StoreCollectives::broadcast_recv(const Key& key, double timeout) {
@@ -181,8 +180,7 @@ std::string StoreCollectives::broadcast_recv(const Key& key, double timeout) {
 
 void StoreCollectives::gather_send(const Key& key, const std::string& data, double timeout) {
   Op op = begin("gather_send", key, timeout);
-  LaneGuard lane(*lanes_, open_lane(op));
-  put(*lane, K::rank_slot(op.prefix, rank_), data);
+  send(op, [&](Lane& lane) { put(lane, K::rank_slot(op.prefix, rank_), data); });
 }
 
 std::vector<std::string> StoreCollectives::gather_recv(const Key& key, const std::string& data, double timeout) {
@@ -206,14 +204,15 @@ std::string StoreCollectives::scatter_send(const Key& key, const std::vector<std
   Op op = begin("scatter_send", key, timeout);
   std::vector<std::string> slots, values;
   if (world_ > 1) {
-    LaneGuard lane(*lanes_, open_lane(op));
-    for (int r = 0; r < world_; ++r) {
-      if (r != rank_) {
-        slots.push_back(K::rank_slot(op.prefix, r));
-        values.push_back(stage(*lane, slots.back(), data.at(r)));
+    send(op, [&](Lane& lane) {
+      for (int r = 0; r < world_; ++r) {
+        if (r != rank_) {
+          slots.push_back(K::rank_slot(op.prefix, r));
+          values.push_back(stage(lane, slots.back(), data.at(r)));
+        }
       }
-    }
-    lane->multi_set(slots, values);
+      lane.multi_set(slots, values);
+    });
   }
   return data.at(rank_);
 }
@@ -444,7 +443,11 @@ Gathered StoreCollectives::exchange_slots(const Op& op, const std::string& paylo
   std::vector<std::string> chunks;
   {
     LaneGuard lane(*lanes_, open_lane(op));
-    put(*lane, (*slots)[rank_], payload);
+    try {
+      put(*lane, (*slots)[rank_], payload);
+    } catch (const std::exception& exc) {
+      failure(op, exc);
+    }
     out.raw = fetch_many(op, *lane, slots);
     out.values.reserve(world_);
     for (size_t i = 0; i < out.raw.size(); ++i) {
@@ -473,6 +476,15 @@ std::string StoreCollectives::stage(Lane& lane, const std::string& key, const st
 
 void StoreCollectives::put(Lane& lane, const std::string& key, const std::string& payload) {
   lane.set(key, stage(lane, key, payload));
+}
+
+void StoreCollectives::send(const Op& op, const std::function<void(Lane&)>& write) {
+  LaneGuard lane(*lanes_, open_lane(op));  // failing to open one is already one line
+  try {
+    write(*lane);
+  } catch (const std::exception& exc) {
+    failure(op, exc);  // the lane is dropped as this unwinds
+  }
 }
 
 std::pair<std::vector<std::string>, std::vector<std::string>> StoreCollectives::read_many(
@@ -617,8 +629,14 @@ void StoreCollectives::failure(const Op& op, const std::exception& exc) {
   if (connection_lost(exc)) {
     throw CollectiveError(op.name, op.label, "store unreachable: " + text);
   }
-  if (op.left() > 0.01 && lower(text).find("timeout") == std::string::npos) {
+  bool timed_out = op.left() <= 0.01 || lower(text).find("timeout") != std::string::npos;
+  if (!timed_out) {
     throw CollectiveError(op.name, op.label, "store error: " + text);
+  }
+  if (op.name.size() > 5 && op.name.compare(op.name.size() - 5, 5, "_send") == 0) {
+    // A send waits for nobody: nothing to count or name.
+    throw CollectiveTimeout(
+        op.name, op.label, op.seconds, world_, std::nullopt, {}, "the store did not take the value (" + text + ")");
   }
   std::string detail;
   try {

@@ -93,6 +93,9 @@ class StoreCollectives {
   // Write the chunks of `payload` (if any); return the tagged value to store at `key`.
   std::string stage(Lane& lane, const std::string& key, const std::string& payload);
   void put(Lane& lane, const std::string& key, const std::string& payload);
+  // The writes of a send (broadcast_send, gather_send, scatter_send) on a lane of its own: a
+  // store error is the op's one-line CollectiveError (or timeout), as in every other op.
+  void send(const Op& op, const std::function<void(Lane&)>& write);
   // Blocking read of several tagged values: (payloads, chunk keys to delete).
   std::pair<std::vector<std::string>, std::vector<std::string>> read_many(
       const Op& op,

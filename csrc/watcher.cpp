@@ -349,6 +349,7 @@ void Watcher::run(std::shared_ptr<State> st) {
     st->busy = !tasks.empty();
     std::string notice = st->notice.value_or("");
     int rank = st->rank;
+    bool closing = st->closed;
     st->cv.notify_all();
     lock.unlock();
     bool broken = false;
@@ -375,7 +376,7 @@ void Watcher::run(std::shared_ptr<State> st) {
     for (auto& task : tasks) {
       safely([&] { task(*lane); });
     }
-    if (broken && !leaving()) {  // no new connection once the process exits
+    if (broken && !leaving() && !closing) {  // no new connection once the process exits
       // The server restarted or dropped us: go on with a new connection (not a pooled lane:
       // those may be as dead as ours); while none can be opened, keep trying on each wake.
       try {
@@ -384,6 +385,11 @@ void Watcher::run(std::shared_ptr<State> st) {
       }
     }
     lock.lock();
+    if (broken && closing) {
+      // Closing, and the connection is lost: what is left to clean stays (as after a crash)
+      // rather than close() waiting out a reconnect per task.
+      st->tasks.clear();
+    }
     st->busy = false;
     st->cv.notify_all();
   }

@@ -365,3 +365,68 @@ def test_the_calls_go_straight_to_cpp_unless_overridden() -> None:
     assert "all_gather" in vars(named(store, 0, 1, rank_names=["host-a"]))  # names added in C++
     for coll in (plain, mine):
         coll.close()
+
+
+class _Failing(DictStore):
+    """A Python-written store whose writes fail, each with an exception of its own type."""
+
+    def set(self, key: str, value: object) -> None:
+        raise RuntimeError("disk quota exceeded")
+
+    def multi_set(self, keys: list[str], values: list[object]) -> None:
+        raise OSError("read-only file system")
+
+    def add(self, key: str, value: int) -> int:
+        raise ValueError("counter corrupted")
+
+
+FAILING_CALLS = [
+    ("broadcast_send", {"data": b"x"}),
+    ("gather_send", {"data": b"x"}),
+    ("scatter_send", {"data": [b"a", b"b"]}),
+    ("barrier", {}),
+    ("all_sum", {"data": 1}),
+    ("all_gather", {"data": b"x"}),
+]
+
+
+@pytest.mark.skipif(CppStoreCollectives is None, reason="C++ extension not built")
+@pytest.mark.parametrize("method, kwargs", FAILING_CALLS)
+def test_a_python_store_error_is_the_same_one_line_in_both(method: str, kwargs: dict) -> None:
+    """Sends included: the op, its key and the store's exception with its type, identical in
+    the C++ and Python implementations."""
+    texts = []
+    for cls in (CppStoreCollectives, torch_ctrl.PyStoreCollectives):
+        coll = cls(_Failing(), 0, 2)
+        with pytest.raises(torch_ctrl.CollectiveError) as info:
+            getattr(coll, method)("k", timeout=5, **kwargs)
+        texts.append(str(info.value))
+        coll.close(0.5)
+    assert texts[0] == texts[1]
+    assert texts[0].startswith(f"{method} 'k': store error: ") and "\n" not in texts[0]
+    assert any(t in texts[0] for t in ("RuntimeError: disk", "OSError: read-only", "ValueError: counter"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method, kwargs", FAILING_CALLS[:3])
+def test_a_send_to_a_server_that_died_names_the_op(impl: str, method: str, kwargs: dict) -> None:
+    """A send whose connection broke (or cannot be opened again) is the op's one-line
+    CollectiveError, not torch's raw DistNetworkError."""
+    if impl == "mixed":
+        pytest.skip("one rank: the cpp and python cases cover it")
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    coll = make(impl, dist.TCPStore("127.0.0.1", server.port, is_master=False), 0, 2)
+    getattr(coll, method)("warm", timeout=5, **kwargs)  # its lane is open
+    del server
+    # The first write may still land in the socket's buffer; the next ones cannot.
+    errors = []
+    for i in range(3):
+        try:
+            getattr(coll, method)(f"k{i}", timeout=3, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - inspected below
+            errors.append(exc)
+    assert errors
+    for exc in errors:
+        assert isinstance(exc, torch_ctrl.CollectiveError), repr(exc)
+        assert str(exc).startswith(f"{method} 'k") and "store unreachable" in str(exc) and "\n" not in str(exc)
+    coll.close(0.5)

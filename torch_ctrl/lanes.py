@@ -528,6 +528,7 @@ class Lanes:
         except Exception:  # noqa: BLE001 - Python stores may not implement it
             self.extended = False
         self.cas, self.deletes = store_api(store)
+        self.python = python_methods(store) is not None  # a Python-written store under any PrefixStores
         self._free: list[Lane] = []
         self._lock = threading.Lock()
         # What the PrefixStores put before a key: the server-side barrier is called on the

@@ -159,8 +159,7 @@ class PyStoreCollectives(ControlCollectives):
         op = self._begin("broadcast_send", key, timeout)
         if self._world == 1:
             return
-        with self._lane(op) as lane:
-            self._put(lane, op.key(K.DONE), payload)
+        self._send(op, lambda lane: self._put(lane, op.key(K.DONE), payload))
 
     def broadcast_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
         op = self._begin("broadcast_recv", key, timeout)
@@ -173,8 +172,7 @@ class PyStoreCollectives(ControlCollectives):
     def gather_send(self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
         payload = to_bytes(data)
         op = self._begin("gather_send", key, timeout)
-        with self._lane(op) as lane:
-            self._put(lane, K.rank_slot(op.prefix, self._rank), payload)
+        self._send(op, lambda lane: self._put(lane, K.rank_slot(op.prefix, self._rank), payload))
 
     def gather_recv(
         self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
@@ -198,8 +196,11 @@ class PyStoreCollectives(ControlCollectives):
         others = [r for r in range(self._world) if r != self._rank]
         if others:
             slots = [K.rank_slot(op.prefix, r) for r in others]
-            with self._lane(op) as lane:
+
+            def write(lane: Lane) -> None:
                 lane.multi_set(slots, [self._stage(lane, slot, payloads[r]) for slot, r in zip(slots, others)])
+
+            self._send(op, write)
         return payloads[self._rank]
 
     def scatter_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
@@ -406,10 +407,22 @@ class PyStoreCollectives(ControlCollectives):
         """Write a tagged value: its chunks first (if any), then the value itself."""
         lane.set(key, self._stage(lane, key, payload))
 
+    def _send(self, op: _Op, write: Callable[[Lane], None]) -> None:
+        """The writes of a send (broadcast_send, gather_send, scatter_send) on a lane of its
+        own: a store error is the op's one-line CollectiveError (or timeout), as in every other op."""
+        with self._lane(op) as lane:
+            try:
+                write(lane)
+            except Exception as exc:
+                raise self._failure(op, exc) from None  # the lane is dropped as this leaves
+
     def _exchange_slots(self, op: _Op, payload: bytes) -> dict[int, bytes]:
         slots = K.rank_slots(op.prefix, self._world)
         with self._lane(op) as lane:
-            self._put(lane, slots[self._rank], payload)
+            try:
+                self._put(lane, slots[self._rank], payload)
+            except Exception as exc:
+                raise self._failure(op, exc) from None
             values, chunks = self._read_many(op, lane, slots)
         # The slot keys are rebuilt by the rank that deletes them (the C++ twin saves N copies so).
         self._exit_later(op, self._world, [], chunks, slots=True)
@@ -525,10 +538,16 @@ class PyStoreCollectives(ControlCollectives):
         if self._watcher.notice is not None:
             return self._aborted(op, self._watcher.notice)
         text = one_line(str(exc))
+        if self._lanes.python:
+            # As the C++ twin reads it (through torch's binding: "ValueError: bad value").
+            text = f"{type(exc).__name__}: {text}"
         if connection_lost(exc):
             return collective_error(op.name, op.label, f"store unreachable: {text}")
         if time.monotonic() < op.deadline - 0.01 and "timeout" not in text.lower():
             return collective_error(op.name, op.label, f"store error: {text}")
+        if op.name.endswith("_send"):  # a send waits for nobody: nothing to count or name
+            detail = f"the store did not take the value ({text})"
+            return timeout_error(op.name, op.label, op.seconds, self._world, detail=detail)
         try:  # at the deadline: a new connection for the diagnostics gets a budget of its own
             with Borrowed(self._lanes, self._lanes.acquire(DIAGNOSTICS_CONNECT)) as lane:
                 return self._timeout(op, lane)

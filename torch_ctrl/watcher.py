@@ -340,6 +340,10 @@ class Watcher:
                 self._safely(task, lane)
             lane = self._healed(lane)
             with self._cv:
+                if self._broken and self._closed:
+                    # Closing, and the connection is lost: what is left to clean stays (as after
+                    # a crash) rather than close() waiting out a reconnect per task.
+                    self._tasks.clear()
                 self._busy = False
                 self._cv.notify_all()
                 if not self._tasks and self._done():
@@ -393,7 +397,7 @@ class Watcher:
         """The lane to go on with: a new connection when the last one was lost (the server
         restarted, or dropped us); the old one while no new one can be opened (tried again
         on the next wake)."""
-        if not self._broken or _LEAVING:  # no new connection once the process exits
+        if not self._broken or _LEAVING or self._closed:  # no new connection once exiting or closed
             return lane
         try:
             fresh = self._lanes.open(HEAL_CONNECT)  # not a pooled lane: those may be as dead as ours
