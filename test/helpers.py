@@ -233,19 +233,26 @@ class Gate:
     def open(self) -> None:
         """Pass new connections on again (the ones queued meanwhile first)."""
         self._open.set()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, daemon=True)
+        self._acceptor.start()
 
     def shut(self) -> None:
-        """Take no new connection: wake the accepting thread so it stops, then fill the queue."""
+        """Take no new connection: wake the accepting thread, wait until it has stopped, then
+        fill the queue. (Filled while the thread still accepted, the queue kept a free place,
+        and a client's connect then completed with nobody to answer it: torch 2.6's client
+        waits for that answer without a timeout.)"""
         import socket
 
         self._open.clear()
-        for _ in range(4):  # one wakes the thread, the rest fill the queue of 1 + 1
+        for i in range(4):  # the first wakes the thread; the rest fill the queue of 1 + 1
             sock = socket.socket()
             sock.setblocking(False)
             with contextlib.suppress(BlockingIOError):
                 sock.connect((HOST, self.port))
             self._fill.append(sock)
+            if i == 0:
+                self._acceptor.join(10)
+                assert not self._acceptor.is_alive(), "the gate's accepting thread did not stop"
 
     def _accept(self) -> None:
         while self._open.is_set():
