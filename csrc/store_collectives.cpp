@@ -667,7 +667,8 @@ void StoreCollectives::timeout(const Op& op, Lane& lane) {
     }
   } else {  // barrier
     lane.append(op.key(K::kNames), std::to_string(rank_) + ",");
-    present = K::parse_names(lane.peek_log(op.key(K::kNames), world_).value_or(""), world_);
+    // Each rank appends at most twice (past the grace period, at its timeout).
+    present = K::parse_names(lane.peek_log(op.key(K::kNames), 2 * int64_t{world_}).value_or(""), world_);
     auto counter = lane.peek(op.key(K::kArrive));
     arrived = counter ? static_cast<int>(std::min<int64_t>(K::parse_counter(*counter), world_))
                       : static_cast<int>(present.size());

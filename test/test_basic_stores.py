@@ -139,3 +139,15 @@ def test_a_closed_rank_is_not_declared_dead_where_its_heartbeat_cannot_be_delete
     with pytest.raises(CollectiveTimeoutError):
         stays.barrier("b", timeout=timedelta(seconds=1))  # 8 heartbeat periods: dead would show
     stays.close()
+
+
+def test_a_names_log_is_read_past_one_entry_per_rank() -> None:
+    """A rank appends its name twice at most (past the grace period, at its timeout): a name
+    first written as entry N+1 of a world of N is still read."""
+    from torch_ctrl.lanes import Lanes
+
+    lanes = Lanes(BasicStore())
+    with lanes.lane() as lane:
+        for name in (b"0,", b"1,", b"0,", b"1,", b"3,"):
+            lane.append("names", name)
+        assert lane.peek_log("names", 2 * WORLD) == b"0,1,0,1,3,"

@@ -364,18 +364,19 @@ def check_init(store: object, rank: object, world_size: object) -> tuple[int, in
     """Validate constructor arguments; returns ``(rank, world_size)``."""
     if not isinstance(store, dist.Store):
         raise TypeError(f"store must be a torch.distributed.Store, got {type(store).__name__}")
-    methods = python_methods(store)
-    if type(base_store(store)) is dist.Store:
+    base = base_store(store)
+    if type(base) is dist.Store:
         # What torch hands back for a Python-written store whose Python object is gone (only a
         # PrefixStore held it): its methods went with it, and every call would fail.
         raise TypeError(
             "the store under the PrefixStore is a bare torch.distributed.Store: a Python-written "
             "store's methods are lost once nothing holds its Python object (keep a reference to it)"
         )
+    methods = python_methods(base)
     missing = [m for m in BASIC if methods is not None and m not in methods]
     if missing:
         raise TypeError(
-            f"store {type(base_store(store)).__name__} (written in Python) does not implement "
+            f"store {type(base).__name__} (written in Python) does not implement "
             f"{', '.join(missing)}: collectives need {', '.join(BASIC)} (compare_set and delete_key "
             "are used where present)"
         )

@@ -564,7 +564,9 @@ class PyStoreCollectives(ControlCollectives):
             present = {r for r, _ in K.parse_frames(lane.peek(op.key(K.LOG)) or b"", self._world) if r >= 0}
         else:  # barrier
             lane.append(op.key(K.NAMES), b"%d," % self._rank)
-            present = K.parse_names(lane.peek_log(op.key(K.NAMES), self._world) or b"", self._world)
+            # Each rank appends at most twice (past the grace period, at its timeout).
+            names = lane.peek_log(op.key(K.NAMES), 2 * self._world)
+            present = K.parse_names(names or b"", self._world)
             counter = lane.peek(op.key(K.ARRIVE))
             arrived = K.parse_counter(counter) if counter is not None else len(present)
             present.add(self._rank)
