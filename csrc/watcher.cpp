@@ -376,6 +376,12 @@ void Watcher::run(std::shared_ptr<State> st) {
     for (auto& task : tasks) {
       safely([&] { task(*lane); });
     }
+    if (broken && !closing) {
+      // close() may have come while the tasks ran: read it again (twin of Watcher._healed),
+      // so that a closing watcher does not first wait out a reconnect (about 2 s).
+      std::lock_guard<std::mutex> relock(st->mutex);
+      closing = st->closed;
+    }
     if (broken && !leaving() && !closing) {  // no new connection once the process exits
       // The server restarted or dropped us: go on with a new connection (not a pooled lane:
       // those may be as dead as ours); while none can be opened, keep trying on each wake.
