@@ -24,6 +24,9 @@ constexpr double kTick = 0.001;  // smallest timeout handed to a store
 // 10 ms, so lanes over one poll check() from 0.1 ms, doubling up to 10 ms.
 constexpr double kFilePollFirst = 0.0001;
 constexpr double kFilePoll = 0.01;
+// Twin of lanes.CLAIM_WAIT: without compare_set, how long a later claimer waits for the
+// first one's write.
+constexpr double kClaimWait = 1.0;
 
 // Twin of lanes._ForkGate: no fork() while one of our threads opens a connection. Name
 // resolution takes glibc's resolver lock; a child forked while another thread held it
@@ -247,13 +250,21 @@ std::string Lane::claim(const std::string& key, const std::string& value) {
   if (cas) {
     return str(store->compareSet(key, {}, bytes(value)));
   }
-  // Without compare_set the first to take the ticket writes; a later caller that finds
-  // nothing written yet gets its own value back.
+  // Without compare_set the first to take the ticket writes (right after); a later caller
+  // waits up to kClaimWait for that write, and gets its own value back only if none came.
   if (add(keys::entry_count(key), 1) == 1) {
     set(key, value);
     return value;
   }
-  return peek(key).value_or(value);
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(kClaimWait);
+  double pause = 0.001;
+  auto stands = peek(key);
+  while (!stands && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(pause));
+    pause = std::min(pause * 2, 0.05);
+    stands = peek(key);
+  }
+  return stands.value_or(value);
 }
 
 void Lane::append(const std::string& key, const std::string& value) {

@@ -57,7 +57,8 @@ struct Lane {
   std::optional<std::string> peek(const std::string& key);
   // Read what was appended to `key`, at most `most` entries where entries are separate keys.
   std::optional<std::string> peek_log(const std::string& key, int64_t most);
-  // Write `value` unless a value was written first; return the value that stands.
+  // Write `value` unless a value was written first; return the value that stands (without
+  // compare_set: a later caller waits up to 1 s for the first caller's write).
   std::string claim(const std::string& key, const std::string& value);
   // peek several keys: one check and one multi_get when all exist.
   std::vector<std::optional<std::string>> peek_many(const std::vector<std::string>& keys);

@@ -151,3 +151,52 @@ def test_a_names_log_is_read_past_one_entry_per_rank() -> None:
         for name in (b"0,", b"1,", b"0,", b"1,", b"3,"):
             lane.append("names", name)
         assert lane.peek_log("names", 2 * WORLD) == b"0,1,0,1,3,"
+
+
+class _SlowNotice(BasicStore):
+    """The first abort's notice is written only once a second claimer has looked for it: the
+    window between taking the ticket and writing, held open."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+        self.ticket_taken = threading.Event()
+        self.looked = threading.Event()
+
+    def set(self, key: str, value: bytes) -> None:
+        if self.armed and key.endswith("/_/abort"):
+            self.ticket_taken.set()
+            assert self.looked.wait(10), "the second claimer never looked"
+        BasicStore.set(self, key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        found = BasicStore.check(self, keys)
+        if self.armed and self.ticket_taken.is_set() and any(k.endswith("/_/abort") for k in keys):
+            self.looked.set()
+        return found
+
+
+@pytest.mark.parametrize("second", CLASSES)
+@pytest.mark.parametrize("first", CLASSES)
+def test_a_later_claimer_waits_for_the_first_notice(first: str, second: str) -> None:
+    """Without compare_set the first to take the abort ticket writes the notice just after; a
+    second caller that looks in between waits for it rather than keeping its own reason, so
+    every rank reports the same abort."""
+    store = _SlowNotice()
+    a = make_cls(first, 0)(store, 0, 2)
+    b = make_cls(second, 1)(store, 1, 2)
+    store.armed = True
+
+    def second_abort() -> None:
+        assert store.ticket_taken.wait(10)
+        b.abort("reason 1")
+
+    t = threading.Thread(target=second_abort)
+    t.start()
+    a.abort("reason 0")
+    t.join(20)
+    for coll in (a, b):
+        with pytest.raises(CollectiveAbortedError) as info:
+            coll.barrier("b", timeout=5)
+        assert (info.value.rank, info.value.reason) == (0, "reason 0")
+        coll.close()

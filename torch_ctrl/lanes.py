@@ -267,6 +267,10 @@ def _tcp_client(store: dist.TCPStore, connect_timeout: float | None) -> dist.TCP
     return client
 
 
+# Without compare_set, how long a later claimer waits for the first one's write (Lane.claim).
+CLAIM_WAIT = 1.0
+
+
 class Lane:
     """One store handle, used by one caller at a time."""
 
@@ -345,14 +349,20 @@ class Lane:
     def claim(self, key: str, value: bytes) -> bytes:
         """Write ``value`` to ``key`` unless some value was written first; return the value
         that stands (``compare_set`` from empty). Without compare_set the first to take the
-        ticket ``entry_count(key)`` writes; a later caller that finds nothing written yet gets
-        its own ``value`` back."""
+        ticket ``entry_count(key)`` writes; a later caller waits up to CLAIM_WAIT seconds for
+        that write (the first caller writes right after its ticket), and gets its own
+        ``value`` back only if none came (the first caller died in between)."""
         if self.cas:
             return bytes(self.store.compare_set(key, b"", value))
         if self.add(K.entry_count(key), 1) == 1:
             self.set(key, value)
             return value
-        return self.peek(key) or value
+        deadline = time.monotonic() + CLAIM_WAIT
+        pause = 0.001
+        while (stands := self.peek(key)) is None and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        return stands or value
 
     def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """``peek`` several keys: one check and one multi_get when all exist."""
