@@ -176,15 +176,17 @@ class _SlowNotice(BasicStore):
         return found
 
 
+@pytest.mark.parametrize("prefixed", [False, True], ids=["raw", "prefix"])
 @pytest.mark.parametrize("second", CLASSES)
 @pytest.mark.parametrize("first", CLASSES)
-def test_a_later_claimer_waits_for_the_first_notice(first: str, second: str) -> None:
+def test_a_later_claimer_waits_for_the_first_notice(first: str, second: str, prefixed: bool) -> None:
     """Without compare_set the first to take the abort ticket writes the notice just after; a
     second caller that looks in between waits for it rather than keeping its own reason, so
-    every rank reports the same abort."""
+    every rank reports the same abort (on the store itself and under a PrefixStore)."""
     store = _SlowNotice()
-    a = make_cls(first, 0)(store, 0, 2)
-    b = make_cls(second, 1)(store, 1, 2)
+    target = dist.PrefixStore("job", store) if prefixed else store
+    a = make_cls(first, 0)(target, 0, 2)
+    b = make_cls(second, 1)(target, 1, 2)
     store.armed = True
 
     def second_abort() -> None:
