@@ -7,7 +7,14 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <netdb.h>
+#include <poll.h>
 #include <pthread.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <fcntl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -19,6 +26,7 @@
 namespace torch_ctrl {
 
 namespace {
+using Clock = std::chrono::steady_clock;
 constexpr double kTick = 0.001;  // smallest timeout handed to a store
 // Twins of lanes.FILE_POLL_FIRST and FILE_POLL: a FileStore's own blocking reads look every
 // 10 ms, so lanes over one poll check() from 0.1 ms, doubling up to 10 ms.
@@ -102,14 +110,112 @@ struct PrefixAccess : c10d::PrefixStore {
   }
 };
 
+// Twin of lanes.BACKGROUND_TURN: how long one attempt of a background connection may spend in
+// torch (its connect loop retries a server that is gone for the whole attempt, plus back-off).
+constexpr double kBackgroundTurn = 1.0;
+
+// One plain TCP connection to host:port within `seconds` (closed at once): true when accepted.
+bool connects(const std::string& host, int port, double seconds) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) {
+    return false;
+  }
+  bool ok = false;
+  for (addrinfo* ai = found; ai != nullptr && !ok; ai = ai->ai_next) {
+    int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) {
+      continue;
+    }
+    if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
+      ok = true;
+    } else if (errno == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      int err = 0;
+      socklen_t len = sizeof(err);
+      ok = ::poll(&p, 1, static_cast<int>(std::max(seconds, kTick) * 1000.0)) == 1 &&
+          getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0;
+    }
+    ::close(fd);
+  }
+  freeaddrinfo(found);
+  return ok;
+}
+
+// Twin of lanes._reach: return once host:port accepts a TCP connection, or throw
+// DistNetworkError at the deadline or, once it failed, when stop() is true. Plain sockets and
+// sleeps: a thread waiting here is not inside torch when the process exits.
+void reach(const std::string& host, int port, Clock::time_point deadline, const std::function<bool()>& stop) {
+  double pause = 0.01;
+  while (true) {
+    double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+    if (connects(host, port, std::min(left, 1.0))) {
+      return;
+    }
+    left = std::chrono::duration<double>(deadline - Clock::now()).count();
+    if (left <= 0 || (stop && stop())) {
+      throw c10::DistNetworkError(
+          "the store's server " + host + ":" + std::to_string(port) + " is unreachable");
+    }
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::min(pause, left)));
+    pause = std::min(pause * 2, 0.5);
+  }
+}
+
+c10::intrusive_ptr<c10d::Store> new_client(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    double connect_timeout,
+    const std::function<bool()>& stop = nullptr);
+
+// Twin of lanes.new_client with stop: a background connection to a TCPStore's server, reached
+// with plain sockets before each attempt in torch (kBackgroundTurn seconds at most), until
+// connect_timeout (the store's timeout when <= 0) or stop() after a failed attempt.
+c10::intrusive_ptr<c10d::Store> background_client(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    double connect_timeout,
+    const std::function<bool()>& stop) {
+  auto* tcp = dynamic_cast<c10d::TCPStore*>(store.get());
+  if (tcp == nullptr) {
+    throw std::logic_error("new_client: not a TCPStore");
+  }
+  double seconds = connect_timeout > 0
+      ? connect_timeout
+      : std::chrono::duration<double>(tcp->getTimeout()).count();
+  auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  double pause = 0.01;
+  while (true) {
+    reach(tcp->getHost(), tcp->getPort(), deadline, stop);
+    try {
+      double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+      return new_client(store, std::max(std::min(left, kBackgroundTurn), kTick));
+    } catch (const std::exception&) {
+      double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+      if (left <= 0 || stop()) {
+        throw;
+      }
+      // The server went away after the check, or did not answer within one turn: check again.
+      std::this_thread::sleep_for(std::chrono::duration<double>(std::min(pause, left)));
+      pause = std::min(pause * 2, 0.5);
+    }
+  }
+}
+
 // A new connection to the same store: a TCPStore client to the same host and port (same
 // backend and timeout), under the same PrefixStores, opened within connect_timeout seconds
 // when > 0 (clone() would take the store's whole timeout to fail on a server that is gone).
 // Only called for TCPStore-backed chains (see Lanes::Lanes).
-c10::intrusive_ptr<c10d::Store> new_client(const c10::intrusive_ptr<c10d::Store>& store, double connect_timeout) {
+c10::intrusive_ptr<c10d::Store> new_client(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    double connect_timeout,
+    const std::function<bool()>& stop) {
   if (auto* prefix = dynamic_cast<c10d::PrefixStore*>(store.get())) {
     return c10::make_intrusive<c10d::PrefixStore>(
-        PrefixAccess::prefix(*prefix), new_client(prefix->getUnderlyingStore(), connect_timeout));
+        PrefixAccess::prefix(*prefix), new_client(prefix->getUnderlyingStore(), connect_timeout, stop));
+  }
+  if (stop) {
+    return background_client(store, connect_timeout, stop);
   }
   auto* tcp = dynamic_cast<c10d::TCPStore*>(store.get());
   if (tcp == nullptr) {
@@ -452,7 +558,7 @@ Lanes::Lanes(c10::intrusive_ptr<c10d::Store> store, bool cas, bool deletes)
   }
 }
 
-std::unique_ptr<Lane> Lanes::acquire(double connect_timeout) {
+std::unique_ptr<Lane> Lanes::acquire(double connect_timeout, const std::function<bool()>& stop) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!free_.empty()) {
@@ -461,16 +567,16 @@ std::unique_ptr<Lane> Lanes::acquire(double connect_timeout) {
       return lane;
     }
   }
-  return open(connect_timeout);
+  return open(connect_timeout, stop);
 }
 
-std::unique_ptr<Lane> Lanes::open(double connect_timeout) {
+std::unique_ptr<Lane> Lanes::open(double connect_timeout, const std::function<bool()>& stop) {
   auto lane = std::make_unique<Lane>();
   if (!owned_) {
     lane->store = store_;
   } else if (tcp_ || !compat::kClone) {
     Connecting connecting;
-    lane->store = new_client(store_, connect_timeout);
+    lane->store = new_client(store_, connect_timeout, stop);
   } else {
     Connecting connecting;
     lane->store = compat::clone(*store_);

@@ -88,9 +88,12 @@ class Lanes {
   explicit Lanes(c10::intrusive_ptr<c10d::Store> store, bool cas = true, bool deletes = true);
   // connect_timeout (seconds, > 0): the longest a new connection may take to open (an op's
   // time left), so that a server that is gone cannot hold an op past its deadline.
-  std::unique_ptr<Lane> acquire(double connect_timeout = -1.0);
+  // stop (set): a background connection (the watcher's, twin of lanes.new_client's stop): the
+  // server is reached with plain sockets first, torch gets kBackgroundTurn seconds per
+  // attempt, and the attempt ends once stop() is true after a failed one.
+  std::unique_ptr<Lane> acquire(double connect_timeout = -1.0, const std::function<bool()>& stop = nullptr);
   // A new lane (a new connection where lanes are owned), never one from the pool.
-  std::unique_ptr<Lane> open(double connect_timeout = -1.0);
+  std::unique_ptr<Lane> open(double connect_timeout = -1.0, const std::function<bool()>& stop = nullptr);
   void release(std::unique_ptr<Lane> lane);
   void close();
   bool owned() const { return owned_; }

@@ -273,7 +273,9 @@ void Watcher::poll(State& st, Lane& lane) {
 void Watcher::run(std::shared_ptr<State> st) {
   std::unique_ptr<Lane> lane;
   try {
-    lane = st->lanes->acquire();
+    // A background connection (twin of Watcher._run): the thread may start after the server
+    // went away, and must not spend seconds per attempt in torch's connect loop.
+    lane = st->lanes->acquire(-1.0, [] { return leaving(); });
   } catch (const std::exception&) {
     std::lock_guard<std::mutex> lock(st->mutex);
     st->tasks.clear();
@@ -386,7 +388,10 @@ void Watcher::run(std::shared_ptr<State> st) {
       // The server restarted or dropped us: go on with a new connection (not a pooled lane:
       // those may be as dead as ours); while none can be opened, keep trying on each wake.
       try {
-        lane = st->lanes->open(kHealConnect);
+        lane = st->lanes->open(kHealConnect, [&st] {
+          std::lock_guard<std::mutex> relock(st->mutex);
+          return leaving() || st->closed;
+        });
       } catch (const std::exception&) {
       }
     }

@@ -107,6 +107,21 @@ print("main exits", flush=True)
 """
 
 
+# The watcher's thread starts after the server went away (its first blocked caller starts it;
+# under load it may also run late after the constructor started it): its first connection
+# fails while the caller's store call fails at once, and the script ends.
+WATCHER_STARTS_AFTER_SERVER_GONE = """
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+client = wrap(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=2)))
+coll = impl(client, 1, 2)  # no heartbeat: the watcher's thread is not started yet
+del server
+try:
+    coll.broadcast_recv("gone", 5)  # on the constructor's connection; starts the watcher
+except torch_ctrl.CollectiveError as exc:
+    print("caller:", exc, flush=True)
+print("main exits", flush=True)
+"""
+
 # Daemon threads still running collectives back to back when the script ends: some of their
 # calls return while the interpreter finalizes, or wait for the GIL as it starts.
 RUNNING_AT_EXIT = """
@@ -168,6 +183,21 @@ def test_exit_after_the_server_died_under_a_cleanup_task(tmp_path: Path, impl: s
     # of 8 runs of test_errors' same scenario on 2.14.1 (its watcher was reconnecting when the
     # interpreter finalized).
     _assert_clean(_run_many(tmp_path, SERVER_GONE_AT_EXIT, impl, RUNS, store))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("impl", IMPL_LIST)
+def test_exit_after_the_watcher_started_on_a_server_gone(tmp_path: Path, impl: str, store: str) -> None:
+    # The watcher's first connection went straight into torch's connect loop (the store's
+    # timeout per attempt plus back-off, 7 s here): a Python watcher whose attempt returned
+    # while the interpreter finalized aborted the process (1 run in about 90 on a loaded
+    # machine). Both twins now find the server gone with plain sockets and never enter it.
+    results = _run_many(tmp_path, WATCHER_STARTS_AFTER_SERVER_GONE, impl, RUNS, store)
+    _assert_clean(results)
+    for res in results:
+        assert "caller: broadcast_recv 'gone': store unreachable" in res.stdout, res.stdout
+        assert "trying to connect" not in res.stderr, res.stderr[-2000:]
 
 
 @pytest.mark.timeout(240)

@@ -28,7 +28,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from types import FrameType
 
@@ -201,29 +201,44 @@ _CONNECT = threading.RLock()
 _TURN = 2.0
 
 
-def new_client(store: dist.TCPStore, connect_timeout: float | None = None) -> dist.TCPStore:
+# How long one attempt of a background connection (see new_client's ``stop``) may spend in
+# torch. Its worst case on a server that goes away during the attempt (two attempts and
+# torch's back-off between them, about 4 s) must fit in the watchers' exit grace.
+BACKGROUND_TURN = 1.0
+
+
+def new_client(
+    store: dist.TCPStore, connect_timeout: float | None = None, stop: Callable[[], bool] | None = None
+) -> dist.TCPStore:
     """A new client of ``store``'s server (same host, port, backend and timeout), connected
     within ``connect_timeout`` seconds when given (waiting for the one-at-a-time construction
     included: once a server is gone, every watcher of the process reconnects in turn, and an
-    op queued behind them all would outlive its deadline)."""
-    if capabilities.CLONE:
+    op queued behind them all would outlive its deadline).
+
+    ``stop`` marks a background connection (a watcher's): the server is reached with plain
+    sockets before torch is called, torch gets ``BACKGROUND_TURN`` seconds per attempt, and the
+    attempt ends with DistNetworkError once ``stop()`` is true (the process exits). A thread
+    inside torch's connect loop when the interpreter finalizes kills the process as the call
+    returns; one in the plain-socket check does not, and a server that is gone keeps it there."""
+    if capabilities.CLONE and stop is None:
         return _tcp_client(store, connect_timeout)
     seconds = store.timeout.total_seconds() if connect_timeout is None else connect_timeout
     deadline = time.monotonic() + seconds
+    turn = _TURN if stop is None else BACKGROUND_TURN
     pause = 0.01
     while True:
         # A server that is gone is found here, without the turn: one caller's reconnects to it
         # (a watcher's, every wake) must not hold every other caller's turn for seconds.
-        _reach(store.host, store.port, deadline)
+        _reach(store.host, store.port, deadline, stop)
         if not _CONNECT.acquire(timeout=max(deadline - time.monotonic(), _TICK)):
             raise dist.DistNetworkError(
                 f"no connection could be started within {seconds:g}s: "
                 "other connections of this process are being opened (one at a time on this torch)"
             )
         try:
-            return _tcp_client(store, max(min(deadline - time.monotonic(), _TURN), _TICK))
+            return _tcp_client(store, max(min(deadline - time.monotonic(), turn), _TICK))
         except Exception:
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or (stop is not None and stop()):
                 raise
             # The server went away after the check, or did not answer within one turn:
             # let the others have theirs, then check it again.
@@ -233,10 +248,11 @@ def new_client(store: dist.TCPStore, connect_timeout: float | None = None) -> di
         pause = min(pause * 2, 0.5)
 
 
-def _reach(host: str, port: int, deadline: float) -> None:
+def _reach(host: str, port: int, deadline: float, stop: Callable[[], bool] | None = None) -> None:
     """Return once ``host:port`` accepts a TCP connection (closed at once; the server only
-    sees a client that left), or raise DistNetworkError at ``deadline``. Plain sockets and
-    sleeps: a thread waiting here holds no lock and is not inside torch when the process exits."""
+    sees a client that left), or raise DistNetworkError at ``deadline`` or, once it failed, when
+    ``stop()`` is true. Plain sockets and sleeps: a thread waiting here holds no lock and is not
+    inside torch when the process exits."""
     pause = 0.01
     while True:
         left = deadline - time.monotonic()
@@ -245,7 +261,7 @@ def _reach(host: str, port: int, deadline: float) -> None:
                 return
         except OSError as exc:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or (stop is not None and stop()):
                 raise dist.DistNetworkError(f"the store's server {host}:{port} is unreachable: {exc}") from None
             time.sleep(min(pause, left))
             pause = min(pause * 2, 0.5)
@@ -551,46 +567,46 @@ class Lanes:
             self.prefix = lane.prefix = chain_prefix(lane.store)
             self.release(lane)
 
-    def acquire(self, connect_timeout: float | None = None) -> Lane:
+    def acquire(self, connect_timeout: float | None = None, stop: Callable[[], bool] | None = None) -> Lane:
         """A lane from the pool, or a new one (see :meth:`open`)."""
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return self.open(connect_timeout)
+        return self.open(connect_timeout, stop)
 
-    def open(self, connect_timeout: float | None = None) -> Lane:
+    def open(self, connect_timeout: float | None = None, stop: Callable[[], bool] | None = None) -> Lane:
         """A new lane (a new connection where lanes are owned), never one from the pool. A
         TCPStore's new connection opens within ``connect_timeout`` seconds when given (an op's
         time left): ``clone()`` would take the store's whole timeout to fail on a server that
-        is gone."""
+        is gone. ``stop`` makes it a background connection (see :func:`new_client`)."""
         if not self.owned:
             handle = self.store
         else:
             with _FORK_GATE:
-                handle = self._connect(connect_timeout)
+                handle = self._connect(connect_timeout, stop)
         lane = Lane(
             handle, self.owned, self.native_barrier, self.extended, self.sliced, self.polled, self.cas, self.deletes
         )
         lane.prefix = getattr(self, "prefix", "")
         return lane
 
-    def _connect(self, connect_timeout: float | None) -> dist.Store:
+    def _connect(self, connect_timeout: float | None, stop: Callable[[], bool] | None) -> dist.Store:
         """A new connection for an owned lane."""
         if isinstance(self.store, dist.TCPStore):
-            return new_client(self.store, connect_timeout)
+            return new_client(self.store, connect_timeout, stop)
         if self.prefix and not self.sliced:  # a PrefixStore chain whose prefix is known
             # PrefixStore(P, c) puts "P/" before a key: P is the joined prefix less its last "/".
-            return dist.PrefixStore(self.prefix[:-1], new_client(base_store(self.store), connect_timeout))
+            return dist.PrefixStore(self.prefix[:-1], new_client(base_store(self.store), connect_timeout, stop))
         if capabilities.CLONE:
             base = base_store(self.store)
-            if connect_timeout is not None and isinstance(base, dist.TCPStore):
+            if (connect_timeout is not None or stop is not None) and isinstance(base, dist.TCPStore):
                 # A chain whose prefix cannot be learned (torch without list_keys, no
                 # extension): clone() connects within the store's own timeout, minutes on a
                 # server that is gone. Reach the server within the time given first; that
                 # probe connection is dropped at once.
-                new_client(base, connect_timeout)
+                new_client(base, connect_timeout, stop)
             return self.store.clone()
-        return new_client(self.store)
+        return new_client(self.store, stop=stop)
 
     def release(self, lane: Lane) -> None:
         with self._lock:

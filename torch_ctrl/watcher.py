@@ -315,7 +315,10 @@ class Watcher:
 
     def _run(self) -> None:
         try:
-            lane = self._lanes.acquire()
+            # A background connection (plain-socket check first, short attempts in torch): the
+            # thread may start after the server went away, and must not be inside torch's
+            # connect loop (seconds per attempt there) when the process exits.
+            lane = self._lanes.acquire(stop=leaving)
         except Exception as exc:  # noqa: BLE001 - store gone: nothing left to clean
             log.debug("torch_ctrl watcher cannot open a lane: %s", exc)
             with self._cv:
@@ -400,7 +403,8 @@ class Watcher:
         if not self._broken or _LEAVING or self._closed:  # no new connection once exiting or closed
             return lane
         try:
-            fresh = self._lanes.open(HEAL_CONNECT)  # not a pooled lane: those may be as dead as ours
+            # Not a pooled lane (those may be as dead as ours); a background connection.
+            fresh = self._lanes.open(HEAL_CONNECT, stop=lambda: _LEAVING or self._closed)
         except Exception as exc:  # noqa: BLE001 - the server is still gone
             log.debug("torch_ctrl watcher cannot reconnect yet: %s", exc)
             return lane
