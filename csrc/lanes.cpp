@@ -112,7 +112,7 @@ struct PrefixAccess : c10d::PrefixStore {
 
 // Twin of lanes.BACKGROUND_TURN: how long one attempt of a background connection may spend in
 // torch (its connect loop retries a server that is gone for the whole attempt, plus back-off).
-constexpr double kBackgroundTurn = 1.0;
+constexpr double kBackgroundTurn = 2.0;
 
 // One plain TCP connection to host:port within `seconds` (closed at once): true when accepted.
 bool connects(const std::string& host, int port, double seconds) {

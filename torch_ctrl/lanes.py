@@ -202,9 +202,10 @@ _TURN = 2.0
 
 
 # How long one attempt of a background connection (see new_client's ``stop``) may spend in
-# torch. Its worst case on a server that goes away during the attempt (two attempts and
-# torch's back-off between them, about 4 s) must fit in the watchers' exit grace.
-BACKGROUND_TURN = 1.0
+# torch: the same as a turn (a stalled reverse lookup on a live server takes a second or two).
+# On a server that goes away during the attempt torch may make a second one after its
+# back-off (about 6.5 s in all), which the watchers' exit grace covers.
+BACKGROUND_TURN = _TURN
 
 
 def new_client(

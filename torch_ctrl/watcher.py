@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from . import keys as K
-from .lanes import Lane, Lanes
+from .lanes import BACKGROUND_TURN, Lane, Lanes
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,9 @@ def _stop_all() -> None:
     watchers = list(_LIVE)
     for watcher in watchers:
         watcher.close(flush_timeout=2.0)
-    # A thread still inside a store call (a connect to a server that is gone takes up to
-    # HEAL_CONNECT plus torch's back-off) must return before finalization starts: waiting a
-    # little longer here is better than the abort.
+    # A thread still inside a store call (one background connection attempt to a server that
+    # went away during it takes up to two turns plus torch's back-off) must return before
+    # finalization starts: waiting a little longer here is better than the abort.
     end = time.monotonic() + EXIT_GRACE
     for watcher in watchers:
         watcher.join(max(0.0, end - time.monotonic()))
@@ -136,7 +136,7 @@ class _Beat:
 
 HEAL_CONNECT = 1.0  # seconds the watcher waits to open a new connection (tried again on its next wake)
 # At exit, how much longer than the drain the watchers' threads get to leave a store call.
-EXIT_GRACE = HEAL_CONNECT + 2.0
+EXIT_GRACE = 2 * BACKGROUND_TURN + 1.0
 
 
 def connection_lost(exc: BaseException) -> bool:
