@@ -214,79 +214,21 @@ def run_group(
     return run_ranks(world_size, body, timeout)
 
 
-class Gate:
-    """A store server behind a gate: a TCP forwarder to ``port`` on a port of its own
-    (:attr:`port`). While open it passes every connection on; :meth:`shut` stops it taking
-    new ones (its accept queue fills, so a new connection hangs in the TCP handshake, as to a
-    server that no longer answers) while the connections already made carry on."""
+# The gate's forwarder, run in a process of its own: some of torch's bindings (list_keys on
+# torch 2.14) hold the GIL while they wait for the server's answer, so a forwarder on a
+# thread of the test's process could never pass that answer on.
+_GATE = r"""
+import contextlib, socket, sys, threading
 
-    def __init__(self, port: int) -> None:
-        import socket
-
-        self._target = port
-        self._listener = socket.create_server((HOST, 0), backlog=1)
-        self.port = int(self._listener.getsockname()[1])
-        self._open = threading.Event()
-        self._fill: list[Any] = []
-        self.open()
-
-    def open(self) -> None:
-        """Pass new connections on again (the ones queued meanwhile first)."""
-        self._open.set()
-        self._acceptor = threading.Thread(target=self._accept, daemon=True)
-        self._acceptor.start()
-
-    def shut(self) -> None:
-        """Take no new connection: wake the accepting thread, wait until it has stopped, then
-        fill the queue. (Filled while the thread still accepted, the queue kept a free place,
-        and a client's connect then completed with nobody to answer it: torch 2.6's client
-        waits for that answer without a timeout.)"""
-        import socket
-
-        self._open.clear()
-        for i in range(4):  # the first wakes the thread; the rest fill the queue of 1 + 1
-            sock = socket.socket()
-            sock.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                sock.connect((HOST, self.port))
-            self._fill.append(sock)
-            if i == 0:
-                self._acceptor.join(10)
-                assert not self._acceptor.is_alive(), "the gate's accepting thread did not stop"
-
-    def _accept(self) -> None:
-        while self._open.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            if not self._open.is_set():
-                conn.close()
-                return
-            threading.Thread(target=self._forward, args=(conn,), daemon=True).start()
-
-    def _forward(self, conn: Any) -> None:
-        import socket
-
-        try:
-            up = socket.create_connection((HOST, self._target))
-        except OSError:
-            conn.close()
-            return
-        for src, dst in ((conn, up), (up, conn)):
-            threading.Thread(target=_pump, args=(src, dst), daemon=True).start()
-
-    def close(self) -> None:
-        """Stop for good (the connections already made stay)."""
-        self._open.clear()
-        self._listener.close()
-        for sock in self._fill:
-            sock.close()
+host, target = sys.argv[1], int(sys.argv[2])
+listener = socket.create_server((host, 0), backlog=1)
+port = listener.getsockname()[1]
+is_open = threading.Event()
+acceptor = None
+wakers = []
 
 
-def _pump(src: Any, dst: Any) -> None:
-    import socket
-
+def pump(src, dst):
     try:
         while data := src.recv(65536):
             dst.sendall(data)
@@ -294,6 +236,108 @@ def _pump(src: Any, dst: Any) -> None:
         pass
     with contextlib.suppress(OSError):
         dst.shutdown(socket.SHUT_WR)
+
+
+def forward(conn):
+    try:
+        up = socket.create_connection((host, target))
+    except OSError:
+        conn.close()
+        return
+    for src, dst in ((conn, up), (up, conn)):
+        threading.Thread(target=pump, args=(src, dst), daemon=True).start()
+
+
+def accept():
+    while is_open.is_set():
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return  # closed
+        if not is_open.is_set():
+            conn.close()
+            return
+        threading.Thread(target=forward, args=(conn,), daemon=True).start()
+
+
+def start():
+    global acceptor
+    is_open.set()
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+
+
+start()
+print(port, flush=True)
+for line in sys.stdin:
+    command = line.strip()
+    if command == "open":
+        start()
+    elif command == "shut":  # wake the accepting thread, wait until it has stopped
+        is_open.clear()
+        waker = socket.socket()
+        waker.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            waker.connect((host, port))
+        wakers.append(waker)
+        acceptor.join(10)
+        if acceptor.is_alive():
+            print("the gate's accepting thread did not stop", flush=True)
+            continue
+    elif command == "close":
+        is_open.clear()
+        listener.close()
+    print("ok", flush=True)
+"""
+
+
+class Gate:
+    """A store server behind a gate: a TCP forwarder to ``port`` on a port of its own
+    (:attr:`port`), in a child process. While open it passes every connection on; :meth:`shut`
+    stops it taking new ones (its accept queue fills, so a new connection hangs in the TCP
+    handshake, as to a server that no longer answers) while the connections already made
+    carry on."""
+
+    def __init__(self, port: int) -> None:
+        import subprocess
+        import sys
+
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _GATE, HOST, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.port = int(self._proc.stdout.readline())  # type: ignore[union-attr]
+        self._fill: list[Any] = []
+
+    def _command(self, command: str) -> None:
+        self._proc.stdin.write(command + "\n")  # type: ignore[union-attr]
+        self._proc.stdin.flush()  # type: ignore[union-attr]
+        answer = self._proc.stdout.readline().strip()  # type: ignore[union-attr]
+        assert answer == "ok", answer or "the gate's process ended"
+
+    def open(self) -> None:
+        """Pass new connections on again (the ones queued meanwhile first)."""
+        self._command("open")
+
+    def shut(self) -> None:
+        """Take no new connection: stop the accepting thread (woken by one connection), then
+        fill the queue. (Filled while the thread still accepted, the queue kept a free place,
+        and a client's connect then completed with nobody to answer it: torch 2.6's client
+        waits for that answer without a timeout.)"""
+        import socket
+
+        self._command("shut")
+        for _ in range(3):  # the queue of 1 + 1, and one more
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect((HOST, self.port))
+            self._fill.append(sock)
+
+    def close(self) -> None:
+        """Stop for good (the connections already made stay, until the gate's process ends)."""
+        self._command("close")
+        for sock in self._fill:
+            sock.close()
 
 
 # ----------------------------------------------------------------------------- torchrun
