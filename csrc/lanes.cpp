@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <fcntl.h>
+#include <cstring>
 
 #include <algorithm>
 #include <chrono>
@@ -114,34 +114,40 @@ struct PrefixAccess : c10d::PrefixStore {
 // torch (its connect loop retries a server that is gone for the whole attempt, plus back-off).
 constexpr double kBackgroundTurn = 2.0;
 
-// One plain TCP connection to host:port within `seconds` (closed at once): true when accepted.
-bool connects(const std::string& host, int port, double seconds) {
+// One plain TCP connection to host:port within `seconds` (closed at once): 0 when accepted,
+// else the error (errno).
+int connects(const std::string& host, int port, double seconds) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
   if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) {
-    return false;
+    return EHOSTUNREACH;
   }
-  bool ok = false;
-  for (addrinfo* ai = found; ai != nullptr && !ok; ai = ai->ai_next) {
+  int error = ECONNREFUSED;
+  for (addrinfo* ai = found; ai != nullptr && error != 0; ai = ai->ai_next) {
     int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
     if (fd < 0) {
+      error = errno;
       continue;
     }
     if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
-      ok = true;
-    } else if (errno == EINPROGRESS) {
+      error = 0;
+    } else if (errno != EINPROGRESS) {
+      error = errno;
+    } else {
       pollfd p{fd, POLLOUT, 0};
-      int err = 0;
-      socklen_t len = sizeof(err);
-      ok = ::poll(&p, 1, static_cast<int>(std::max(seconds, kTick) * 1000.0)) == 1 &&
-          getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0;
+      socklen_t len = sizeof(error);
+      if (::poll(&p, 1, static_cast<int>(std::max(seconds, kTick) * 1000.0)) != 1) {
+        error = ETIMEDOUT;
+      } else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) != 0) {
+        error = errno;
+      }
     }
     ::close(fd);
   }
   freeaddrinfo(found);
-  return ok;
+  return error;
 }
 
 // Twin of lanes._reach: return once host:port accepts a TCP connection, or throw
@@ -151,13 +157,16 @@ void reach(const std::string& host, int port, Clock::time_point deadline, const 
   double pause = 0.01;
   while (true) {
     double left = std::chrono::duration<double>(deadline - Clock::now()).count();
-    if (connects(host, port, std::min(left, 1.0))) {
+    int error = connects(host, port, std::min(left, 1.0));
+    if (error == 0) {
       return;
     }
     left = std::chrono::duration<double>(deadline - Clock::now()).count();
     if (left <= 0 || (stop && stop())) {
+      // The same words as the Python twin's (which shows Python's OSError).
       throw c10::DistNetworkError(
-          "the store's server " + host + ":" + std::to_string(port) + " is unreachable");
+          "the store's server " + host + ":" + std::to_string(port) + " is unreachable: [Errno " +
+          std::to_string(error) + "] " + std::strerror(error));
     }
     std::this_thread::sleep_for(std::chrono::duration<double>(std::min(pause, left)));
     pause = std::min(pause * 2, 0.5);

@@ -201,8 +201,8 @@ _CONNECT = threading.RLock()
 _TURN = 2.0
 
 
-# How long one attempt of a background connection (see new_client's ``stop``) may spend in
-# torch: the same as a turn (a stalled reverse lookup on a live server takes a second or two).
+# How long one attempt of a connection that takes turns (see new_client) may spend in torch,
+# background ones included: a turn (a stalled reverse lookup on a live server takes a second or two).
 # On a server that goes away during the attempt torch may make a second one after its
 # back-off (about 6.5 s in all), which the watchers' exit grace covers.
 BACKGROUND_TURN = _TURN
@@ -225,7 +225,6 @@ def new_client(
         return _tcp_client(store, connect_timeout)
     seconds = store.timeout.total_seconds() if connect_timeout is None else connect_timeout
     deadline = time.monotonic() + seconds
-    turn = _TURN if stop is None else BACKGROUND_TURN
     pause = 0.01
     while True:
         # A server that is gone is found here, without the turn: one caller's reconnects to it
@@ -237,7 +236,7 @@ def new_client(
                 "other connections of this process are being opened (one at a time on this torch)"
             )
         try:
-            return _tcp_client(store, max(min(deadline - time.monotonic(), turn), _TICK))
+            return _tcp_client(store, max(min(deadline - time.monotonic(), BACKGROUND_TURN), _TICK))
         except Exception:
             if time.monotonic() >= deadline or (stop is not None and stop()):
                 raise
@@ -600,12 +599,15 @@ class Lanes:
             return dist.PrefixStore(self.prefix[:-1], new_client(base_store(self.store), connect_timeout, stop))
         if capabilities.CLONE:
             base = base_store(self.store)
-            if (connect_timeout is not None or stop is not None) and isinstance(base, dist.TCPStore):
+            if connect_timeout is not None and isinstance(base, dist.TCPStore):
                 # A chain whose prefix cannot be learned (torch without list_keys, no
                 # extension): clone() connects within the store's own timeout, minutes on a
                 # server that is gone. Reach the server within the time given first; that
                 # probe connection is dropped at once.
                 new_client(base, connect_timeout, stop)
+            elif stop is not None and isinstance(base, dist.TCPStore):
+                # A background connection with no time limit: a plain-socket check suffices.
+                _reach(base.host, base.port, time.monotonic() + base.timeout.total_seconds(), stop)
             return self.store.clone()
         return new_client(self.store, stop=stop)
 
