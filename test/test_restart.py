@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch.distributed as dist
-from helpers import HOST, IMPLS, Gate, make, run_ranks
+from helpers import HOST, IMPLS, DictStore, Gate, Stores, make, make_cls, run_ranks
 
 from torch_ctrl.errors import CollectiveAbortedError, CollectiveError, CollectiveTimeoutError
 
@@ -314,3 +314,51 @@ def test_an_op_out_of_time_to_connect_reports_its_timeout(impl: str, kind: str) 
         gate.open()
         coll.close()
         gate.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("heartbeat", [None, 0.2])
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+def test_a_new_instance_on_a_server_gone_fails_at_once(impl: str, kind: str, heartbeat: float | None) -> None:
+    """A new instance's first connection would spend the client's timeout (300 s) in torch's
+    connect loop once the server is gone, and then raise torch's error. It fails at once
+    instead, with one line naming the rank and the address, and leaves no thread behind."""
+    stores = Stores(kind)
+    client, port = stores.client(0), stores.port
+    del stores.server, stores.admin  # the server goes away
+    threads = set(threading.enumerate())
+    started = time.monotonic()
+    with pytest.raises(CollectiveError) as info:
+        make_cls(impl, 0)(client, 0, WORLD, heartbeat_interval=heartbeat)
+    took = time.monotonic() - started
+    text = str(info.value)
+    assert text.startswith(f"StoreCollectives(rank 0 of {WORLD}): store unreachable: "), text
+    assert f"{HOST}:{port} " in text and "\n" not in text, text
+    assert took < 2.0, took
+    assert set(threading.enumerate()) <= threads
+
+
+class _Unreachable(DictStore):
+    """A Python-written store whose backend has gone (as an etcd client raises)."""
+
+    def compare_set(self, key: str, expected: object, desired: object) -> bytes:
+        raise ConnectionError("etcd at 10.0.0.7:2379: connection refused")
+
+    def get(self, key: str) -> bytes:
+        raise ConnectionError("etcd at 10.0.0.7:2379: connection refused")
+
+    def check(self, keys: list[str]) -> bool:
+        raise ConnectionError("etcd at 10.0.0.7:2379: connection refused")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+def test_a_new_instance_whose_store_fails_to_connect_says_so_in_one_line(impl: str) -> None:
+    """Past the address check, a first store call that finds the connection gone is the same
+    one line (a Python-written store's connection error here)."""
+    with pytest.raises(CollectiveError) as info:
+        make_cls(impl, 1)(_Unreachable(), 1, WORLD)
+    text = str(info.value)
+    assert text.startswith(f"StoreCollectives(rank 1 of {WORLD}): store unreachable: "), text
+    assert "10.0.0.7:2379" in text and "\n" not in text, text

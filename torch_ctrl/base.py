@@ -15,8 +15,9 @@ from typing import NoReturn, Union
 
 import torch.distributed as dist
 
-from .errors import one_line
-from .lanes import BASIC, base_store, python_methods
+from .errors import init_error, one_line
+from .lanes import BASIC, base_store, check_server, python_methods
+from .watcher import connection_lost
 
 Data = Union[bytes, bytearray, memoryview, str]
 Timeout = Union[timedelta, int, float]
@@ -386,6 +387,23 @@ def check_init(store: object, rank: object, world_size: object) -> tuple[int, in
     if not 0 <= rank_i < world_i:
         raise ValueError(f"rank must be in [0, {world_i}), got {rank_i}")
     return rank_i, world_i
+
+
+def check_reachable(store: dist.Store, rank: int, world_size: int) -> None:
+    """Fail a new instance at once, with one line, when the TCPStore under ``store`` has no
+    server any more (see :func:`torch_ctrl.lanes.check_server`); both twins call it first."""
+    try:
+        check_server(store)
+    except dist.DistNetworkError as exc:
+        raise init_error(rank, world_size, f"store unreachable: {exc}") from None
+
+
+def unreachable(exc: BaseException, rank: int, world_size: int) -> BaseException:
+    """A new instance's first store call failed: a lost connection (the server went away
+    after :func:`check_reachable`) becomes the same one line; anything else stays as it is."""
+    if isinstance(exc, Exception) and connection_lost(exc):
+        return init_error(rank, world_size, f"store unreachable: {one_line(str(exc))}")
+    return exc
 
 
 def check_reason(reason: object) -> str:

@@ -26,7 +26,9 @@ from .base import (
     Timeout,
     check_heartbeat,
     check_init,
+    check_reachable,
     check_reason,
+    unreachable,
 )
 from .errors import forked_error
 from .lanes import store_api
@@ -78,8 +80,12 @@ class CppStoreCollectives(ControlCollectives):
         self._store = store
         self._owner = os.getpid()
         self._rank, self._world = rank, world_size
+        check_reachable(store, rank, world_size)
         cas, deletes = store_api(store)  # the Python twin's answer, so that both agree
-        self._native = _C.StoreCollectives(store, rank, world_size, heartbeat, cas, deletes)
+        try:
+            self._native = _C.StoreCollectives(store, rank, world_size, heartbeat, cas, deletes)
+        except Exception as exc:  # the C++ object closes its watcher as it unwinds
+            raise unreachable(exc, rank, world_size) from None
         _LIVE.add(self)
         self._shortcut()
 

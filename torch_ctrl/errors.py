@@ -143,6 +143,11 @@ def collective_error(op: str, key: str, detail: str) -> CollectiveError:
     return CollectiveError(f"{op} {key!r}: {detail}")
 
 
+def init_error(rank: int, world_size: int, detail: str) -> CollectiveError:
+    """A new instance that cannot reach its store (``StoreCollectives(rank R of N): ...``)."""
+    return CollectiveError(f"StoreCollectives(rank {rank} of {world_size}): {detail}")
+
+
 def key_reused_error(op: str, key: str) -> KeyReusedError:
     """An explicit key used twice on one instance."""
     return KeyReusedError(f"{op}: key {key!r} has already been used on this instance")

@@ -267,6 +267,23 @@ def _reach(host: str, port: int, deadline: float, stop: Callable[[], bool] | Non
             pause = min(pause * 2, 0.5)
 
 
+def check_server(store: dist.Store) -> None:
+    """Raise DistNetworkError at once when nothing accepts connections at the address of the
+    TCPStore under ``store`` (through any PrefixStores); other stores pass. A new instance's
+    first connection would otherwise spend the store's whole timeout (300 s by default) in
+    torch's connect loop before failing. One plain TCP connection, closed at once (the server
+    sees a client that left): a refusal ends it at once; a host that neither accepts nor
+    refuses (down, or its SYNs dropped) is waited for up to the store's timeout, as before."""
+    base = base_store(store)
+    if not isinstance(base, dist.TCPStore):
+        return
+    try:
+        with socket.create_connection((base.host, base.port), timeout=max(base.timeout.total_seconds(), _TICK)):
+            return
+    except OSError as exc:
+        raise dist.DistNetworkError(f"the store's server {base.host}:{base.port} is unreachable: {exc}") from None
+
+
 def _tcp_client(store: dist.TCPStore, connect_timeout: float | None) -> dist.TCPStore:
     timeout = store.timeout
     if connect_timeout is not None and connect_timeout < timeout.total_seconds():

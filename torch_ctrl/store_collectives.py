@@ -25,11 +25,13 @@ from .base import (
     check_heartbeat,
     check_init,
     check_key,
+    check_reachable,
     check_reason,
     to_bytes,
     to_bytes_list,
     to_int64,
     to_seconds,
+    unreachable,
     wrap_int64,
 )
 from .errors import (
@@ -105,16 +107,24 @@ class PyStoreCollectives(ControlCollectives):
         heartbeat = check_heartbeat(heartbeat_interval)
         self._owner = os.getpid()  # a forked child must not use the parent's lanes and thread
         self._store = store
-        self._lanes = Lanes(store)
+        check_reachable(store, self._rank, self._world)
+        try:
+            self._lanes = Lanes(store)
+        except Exception as exc:
+            raise unreachable(exc, self._rank, self._world) from None
         self._lock = threading.Lock()
         self._seq = 0
         self._used: set[str] = set()
         self._watcher = Watcher(self._lanes, self._rank, self._world, heartbeat)
         # One read at construction: a group aborted earlier fails every op at once.
-        with self._lanes.lane() as lane:
-            notice = lane.peek(self._watcher.abort_key)
-            if heartbeat is not None:
-                lane.add(K.group_key(self._world, f"hb/{self._rank}"), 1)
+        try:
+            with self._lanes.lane() as lane:
+                notice = lane.peek(self._watcher.abort_key)
+                if heartbeat is not None:
+                    lane.add(K.group_key(self._world, f"hb/{self._rank}"), 1)
+        except Exception as exc:
+            self._watcher.close(0.0)  # its heartbeats must not outlive a failed constructor
+            raise unreachable(exc, self._rank, self._world) from None
         if notice is not None:
             self._watcher.aborted(notice)
 
