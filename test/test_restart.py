@@ -362,3 +362,36 @@ def test_a_new_instance_whose_store_fails_to_connect_says_so_in_one_line(impl: s
     text = str(info.value)
     assert text.startswith(f"StoreCollectives(rank 1 of {WORLD}): store unreachable: "), text
     assert "10.0.0.7:2379" in text and "\n" not in text, text
+
+
+@pytest.mark.timeout(60)
+def test_an_address_that_neither_accepts_nor_refuses_is_left_to_torch() -> None:
+    """The check fails a new instance only when its server's address refuses: one that does
+    not answer within CHECK_CONNECT (a listener whose queue is full drops new connections,
+    as an overloaded server does) passes, and torch's own connect decides as before."""
+    import socket
+
+    from torch_ctrl import lanes
+
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    port = server.port
+    client = dist.TCPStore(HOST, port, is_master=False)
+    del server
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((HOST, port))
+    listener.listen(0)  # room for one connection nobody accepts: later ones are not answered
+    queued = []
+    for _ in range(3):
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.connect_ex((HOST, port))
+        queued.append(sock)
+    try:
+        started = time.monotonic()
+        lanes.check_server(client)  # no refusal: no error
+        took = time.monotonic() - started
+        assert lanes.CHECK_CONNECT * 0.9 <= took < lanes.CHECK_CONNECT + 3.0, took
+    finally:
+        for sock in [*queued, listener]:
+            sock.close()

@@ -267,21 +267,39 @@ def _reach(host: str, port: int, deadline: float, stop: Callable[[], bool] | Non
             pause = min(pause * 2, 0.5)
 
 
+# How long the check of a new instance waits for one address of the store's server to accept
+# or refuse a connection; one that does neither is left to torch's own connect.
+CHECK_CONNECT = 1.0
+
+
 def check_server(store: dist.Store) -> None:
-    """Raise DistNetworkError at once when nothing accepts connections at the address of the
-    TCPStore under ``store`` (through any PrefixStores); other stores pass. A new instance's
-    first connection would otherwise spend the store's whole timeout (300 s by default) in
-    torch's connect loop before failing. One plain TCP connection, closed at once (the server
-    sees a client that left): a refusal ends it at once; a host that neither accepts nor
-    refuses (down, or its SYNs dropped) is waited for up to the store's timeout, as before."""
+    """Raise DistNetworkError at once when every address of the TCPStore under ``store``
+    (through any PrefixStores) refuses a connection; other stores pass. A new instance's first
+    connection would otherwise spend the store's whole timeout (300 s by default) in torch's
+    connect loop before failing. Plain TCP connections, closed at once (the server sees a
+    client that left). Only a refusal fails: an address that does not answer within
+    ``CHECK_CONNECT`` seconds (a host that is down, a server dropping connections under load)
+    and a name that does not resolve are left to torch, as before."""
     base = base_store(store)
     if not isinstance(base, dist.TCPStore):
         return
     try:
-        with socket.create_connection((base.host, base.port), timeout=max(base.timeout.total_seconds(), _TICK)):
-            return
-    except OSError as exc:
-        raise dist.DistNetworkError(f"the store's server {base.host}:{base.port} is unreachable: {exc}") from None
+        addresses = socket.getaddrinfo(base.host, base.port, type=socket.SOCK_STREAM)
+    except OSError:
+        return
+    refused: OSError | None = None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.settimeout(CHECK_CONNECT)
+            try:
+                sock.connect(address)
+                return
+            except (TimeoutError, socket.timeout):  # distinct classes before Python 3.10
+                return
+            except OSError as exc:
+                refused = exc
+    if refused is not None:
+        raise dist.DistNetworkError(f"the store's server {base.host}:{base.port} is unreachable: {refused}")
 
 
 def _tcp_client(store: dist.TCPStore, connect_timeout: float | None) -> dist.TCPStore:
