@@ -95,3 +95,19 @@ def test_default_world_sizes_follow_the_mode() -> None:
     assert bench.parse_args(["--mode", "torchrun"]).worlds == [2, 8, 16]
     assert bench.parse_args(["--count-store", "tcp,prefix"]).count_stores == ["raw", "prefix"]
     assert bench.parse_args([]).stores == ["raw", "prefix"]
+
+
+def test_the_python_twin_runs_above_128_threads_only_when_named() -> None:
+    """By default N PyStoreCollectives in one interpreter stop at N=128 (above, a run takes tens of
+    minutes measuring the GIL); named in --contenders, or in another mode, it runs at every N."""
+    default = bench.parse_args([])
+    assert "python" in bench.contenders_at(128, default)
+    assert "python" not in bench.contenders_at(512, default)
+    assert set(bench.contenders_at(512, default)) == set(default.contenders) - {"python"}
+    named = bench.parse_args(["--contenders", "torch,cpp,python"])
+    assert "python" in bench.contenders_at(512, named)
+    processes = bench.parse_args(["--mode", "processes"])
+    assert "python" in bench.contenders_at(16, processes)
+    default.file_dir = None  # set by main(); a raw store has no file
+    world = bench.world_for(512, "raw", 0, default, "t")
+    assert "python" not in world.contenders and all(c != "python" for _, _, c in world.tasks)

@@ -53,6 +53,10 @@ BASELINE = "torch"
 _NAMES = ("torch._StoreCollectives", "torch_ctrl C++", "torch_ctrl C++ hb=1s", "torch_ctrl Python")
 LABELS = dict(zip(CONTENDERS, (*_NAMES, "elastic.utils.store", "store.barrier", "floor (1 add)")))
 HEARTBEAT = 1.0  # cpp-hb: torch_ctrl C++ with liveness on (heartbeat_interval, seconds)
+# Threads mode with --contenders left out: the Python twin runs up to this N. Above it, N
+# PyStoreCollectives and their N watcher threads share one interpreter and one GIL: one run of
+# N=512 took 13 minutes for one store kind (docs/benchmarks.md). Named in --contenders, it runs.
+PYTHON_THREADS_MAX = 128
 # The kinds of store every contender can be run over (--store), and what each rank holds.
 STORES = ("raw", "prefix", "file", "hash")
 STORE_TEXT = {
@@ -223,15 +227,22 @@ def _process_rank(w: World, rank: int, sync: Any, queue: Any) -> None:
         queue.put((rank, f"{type(exc).__name__}: {exc}"))
 
 
+def contenders_at(world: int, opts: argparse.Namespace) -> list[str]:
+    """The contenders that run at world size ``world`` (see ``PYTHON_THREADS_MAX``)."""
+    most = getattr(opts, "python_max", None)
+    return [c for c in opts.contenders if not (c == "python" and most is not None and world > most)]
+
+
 def world_for(world: int, store: str, port: int, opts: argparse.Namespace, tag: str) -> World:
     """The plan of one world size over one store kind."""
-    tasks = schedule(opts.ops, opts.contenders, rounds_for(world, opts.rounds), store)
+    contenders = contenders_at(world, opts)
+    tasks = schedule(opts.ops, contenders, rounds_for(world, opts.rounds), store)
     shared = None
     if store == "hash":
         shared = dist.HashStore()
         shared.set_timeout(timedelta(seconds=opts.timeout))
     return World(
-        world, port, opts.contenders, tasks, opts.data, opts.timeout, tag, store, file_dir=opts.file_dir, shared=shared
+        world, port, contenders, tasks, opts.data, opts.timeout, tag, store, file_dir=opts.file_dir, shared=shared
     )
 
 
@@ -289,7 +300,7 @@ def summarize(w: World, results: dict[int, Any], opts: argparse.Namespace) -> li
             samples.setdefault((op, c), []).append(1e3 * (max(r[1] for r in rows) - min(r[0] for r in rows)))
     records = []
     rounds = rounds_for(world, opts.rounds)
-    for op, c in ((op, c) for op in opts.ops for c in opts.contenders if supports(c, op, w.store)):
+    for op, c in ((op, c) for op in opts.ops for c in w.contenders if supports(c, op, w.store)):
         ms = samples.get((op, c), [])
         stats = (statistics.median(ms), min(ms), max(ms)) if ms else (None, None, None)
         records.append({"store": w.store, "mode": opts.mode, "world_size": world, "op": op, "contender": c})
@@ -433,7 +444,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "'python -m torch_ctrl.run --standalone --nproc-per-node=N' job, taking torch_ctrl.from_env() "
         f"(processes and torchrun: N <= {MAX_SPAWNED}, what a 2-core machine can spawn; default: %(default)s)",
     )
-    add("--contenders", default=",".join(CONTENDERS), help="subset of %(default)s")
+    add(
+        "--contenders",
+        default=None,
+        help=f"subset of {','.join(CONTENDERS)} (default: all; with --mode threads, python only up to "
+        f"N={PYTHON_THREADS_MAX} unless named here)",
+    )
     add("--out", default="./bench-out", help="output directory (default: %(default)s)")
     add("--timeout", type=float, default=120.0, help="per-op and store timeout, seconds (default: %(default)s)")
     add("--count-world-sizes", default="2,8", help="world sizes of the store-call counts, '' to skip (default: 2,8)")
@@ -446,6 +462,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     opts = p.parse_args(list(argv))
     if opts.world_sizes is None:
         opts.world_sizes = "2,8,32,128,512" if opts.mode == "threads" else "2,8,16"
+    named = opts.contenders is not None
+    opts.contenders = opts.contenders if named else ",".join(CONTENDERS)
+    opts.python_max = PYTHON_THREADS_MAX if opts.mode == "threads" and not named and not opts.smoke else None
     if opts.smoke:
         opts.world_sizes, opts.rounds, opts.ops, opts.contenders = "2", 3, ",".join(OPS), ",".join(CONTENDERS)
         opts.count_world_sizes = "2"
@@ -498,6 +517,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for c, why in opts.absent.items():
         print(f"# {LABELS[c]}: {why}; not measured", flush=True)
     meta["absent"] = {LABELS[c]: why for c, why in opts.absent.items()}
+    if opts.python_max is not None and "python" in opts.contenders and max(opts.worlds) > opts.python_max:
+        left_out = f"left out above N={opts.python_max} (threads; name it in --contenders to run it)"
+        print(f"# {LABELS['python']}: {left_out}", flush=True)
+        meta["absent"][LABELS["python"]] = left_out
     server = dist.TCPStore(
         "127.0.0.1", 0, None, True, timedelta(seconds=opts.timeout), wait_for_workers=False, use_libuv=True
     )
