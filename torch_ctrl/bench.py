@@ -229,7 +229,7 @@ def _process_rank(w: World, rank: int, sync: Any, queue: Any) -> None:
 
 def contenders_at(world: int, opts: argparse.Namespace) -> list[str]:
     """The contenders that run at world size ``world`` (see ``PYTHON_THREADS_MAX``)."""
-    most = getattr(opts, "python_max", None)
+    most = opts.python_max
     return [c for c in opts.contenders if not (c == "python" and most is not None and world > most)]
 
 
@@ -464,7 +464,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         opts.world_sizes = "2,8,32,128,512" if opts.mode == "threads" else "2,8,16"
     named = opts.contenders is not None
     opts.contenders = opts.contenders if named else ",".join(CONTENDERS)
-    opts.python_max = PYTHON_THREADS_MAX if opts.mode == "threads" and not named and not opts.smoke else None
+    opts.python_max = PYTHON_THREADS_MAX if opts.mode == "threads" and not named else None
     if opts.smoke:
         opts.world_sizes, opts.rounds, opts.ops, opts.contenders = "2", 3, ",".join(OPS), ",".join(CONTENDERS)
         opts.count_world_sizes = "2"

@@ -248,6 +248,11 @@ def new_client(
         pause = min(pause * 2, 0.5)
 
 
+def _unreachable(host: str, port: int, exc: OSError) -> dist.DistNetworkError:
+    """The error of a server no plain connection reached (csrc/lanes.cpp reach() words it alike)."""
+    return dist.DistNetworkError(f"the store's server {host}:{port} is unreachable: {exc}")
+
+
 def _reach(host: str, port: int, deadline: float, stop: Callable[[], bool] | None = None) -> None:
     """Return once ``host:port`` accepts a TCP connection (closed at once; the server only
     sees a client that left), or raise DistNetworkError at ``deadline`` or, once it failed, when
@@ -262,7 +267,7 @@ def _reach(host: str, port: int, deadline: float, stop: Callable[[], bool] | Non
         except OSError as exc:
             left = deadline - time.monotonic()
             if left <= 0 or (stop is not None and stop()):
-                raise dist.DistNetworkError(f"the store's server {host}:{port} is unreachable: {exc}") from None
+                raise _unreachable(host, port, exc) from None
             time.sleep(min(pause, left))
             pause = min(pause * 2, 0.5)
 
@@ -299,7 +304,7 @@ def check_server(store: dist.Store) -> None:
             except OSError as exc:
                 refused = exc
     if refused is not None:
-        raise dist.DistNetworkError(f"the store's server {base.host}:{base.port} is unreachable: {refused}")
+        raise _unreachable(base.host, base.port, refused)
 
 
 def _tcp_client(store: dist.TCPStore, connect_timeout: float | None) -> dist.TCPStore:
