@@ -114,8 +114,9 @@ struct PrefixAccess : c10d::PrefixStore {
 // torch (its connect loop retries a server that is gone for the whole attempt, plus back-off).
 constexpr double kBackgroundTurn = 2.0;
 
-// One plain TCP connection to host:port within `seconds` (closed at once): 0 when accepted,
-// else the error (errno).
+// Twin of lanes._attempt: one plain TCP connection to each address of host:port in turn, each
+// within `seconds` and closed at once: 0 when one accepts, else an errno, ECONNREFUSED only
+// when every address refused (a name that does not resolve: EHOSTUNREACH).
 int connects(const std::string& host, int port, double seconds) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -124,36 +125,50 @@ int connects(const std::string& host, int port, double seconds) {
   if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) {
     return EHOSTUNREACH;
   }
-  int error = ECONNREFUSED;
-  for (addrinfo* ai = found; ai != nullptr && error != 0; ai = ai->ai_next) {
+  int other = 0; // the last error other than a refusal
+  for (addrinfo* ai = found; ai != nullptr; ai = ai->ai_next) {
+    int error = 0;
     int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
     if (fd < 0) {
-      error = errno;
+      other = errno;
       continue;
     }
-    if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
-      error = 0;
-    } else if (errno != EINPROGRESS) {
-      error = errno;
-    } else {
-      pollfd p{fd, POLLOUT, 0};
-      socklen_t len = sizeof(error);
-      if (::poll(&p, 1, static_cast<int>(std::max(seconds, kTick) * 1000.0)) != 1) {
-        error = ETIMEDOUT;
-      } else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) != 0) {
+    if (::connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+      if (errno != EINPROGRESS) {
         error = errno;
+      } else {
+        pollfd p{fd, POLLOUT, 0};
+        socklen_t len = sizeof(error);
+        if (::poll(&p, 1, static_cast<int>(std::max(seconds, kTick) * 1000.0)) != 1) {
+          error = ETIMEDOUT;
+        } else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) != 0) {
+          error = errno;
+        }
       }
     }
     ::close(fd);
+    if (error == 0) {
+      freeaddrinfo(found);
+      return 0;
+    }
+    if (error != ECONNREFUSED) {
+      other = error;
+    }
   }
   freeaddrinfo(found);
-  return error;
+  return other != 0 ? other : ECONNREFUSED;
 }
 
 // Twin of lanes._reach: return once host:port accepts a TCP connection, or throw
-// DistNetworkError at the deadline or, once it failed, when stop() is true. Plain sockets and
-// sleeps: a thread waiting here is not inside torch when the process exits.
-void reach(const std::string& host, int port, Clock::time_point deadline, const std::function<bool()>& stop) {
+// DistNetworkError at the deadline, once it failed when stop() is true, or at once when every
+// address refused and refusal_ends. Plain sockets and sleeps: a thread waiting here is not
+// inside torch when the process exits.
+void reach(
+    const std::string& host,
+    int port,
+    Clock::time_point deadline,
+    const std::function<bool()>& stop,
+    bool refusal_ends = false) {
   double pause = 0.01;
   while (true) {
     double left = std::chrono::duration<double>(deadline - Clock::now()).count();
@@ -162,7 +177,7 @@ void reach(const std::string& host, int port, Clock::time_point deadline, const 
       return;
     }
     left = std::chrono::duration<double>(deadline - Clock::now()).count();
-    if (left <= 0 || (stop && stop())) {
+    if (left <= 0 || (stop && stop()) || (refusal_ends && error == ECONNREFUSED)) {
       // The same words as the Python twin's (which shows Python's OSError).
       throw c10::DistNetworkError(
           "the store's server " + host + ":" + std::to_string(port) + " is unreachable: [Errno " +
@@ -173,34 +188,56 @@ void reach(const std::string& host, int port, Clock::time_point deadline, const 
   }
 }
 
-c10::intrusive_ptr<c10d::Store> new_client(
-    const c10::intrusive_ptr<c10d::Store>& store,
-    double connect_timeout,
-    const std::function<bool()>& stop = nullptr);
+Clock::time_point deadline_in(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
 
-// Twin of lanes.new_client with stop: a background connection to a TCPStore's server, reached
-// with plain sockets before each attempt in torch (kBackgroundTurn seconds at most), until
-// connect_timeout (the store's timeout when <= 0) or stop() after a failed attempt.
-c10::intrusive_ptr<c10d::Store> background_client(
-    const c10::intrusive_ptr<c10d::Store>& store,
+double seconds_until(Clock::time_point deadline) {
+  return std::chrono::duration<double>(deadline - Clock::now()).count();
+}
+
+// Twin of lanes._tcp_client: torch's client of tcp's server (same host, port, backend and
+// timeout), its connect given up after `seconds` when that is shorter than the timeout.
+c10::intrusive_ptr<c10d::Store> tcp_client(c10d::TCPStore& tcp, double seconds) {
+  c10d::TCPStoreOptions opts;
+  opts.port = tcp.getPort();
+  opts.isServer = false;
+  opts.waitWorkers = false;
+  opts.timeout = tcp.getTimeout();
+  if (millis(seconds) < opts.timeout) {
+    opts.timeout = millis(seconds); // connecting gives up then; the lane sets its own later
+  }
+  opts.useLibUV = tcp.isLibUvBackend();
+  auto client = c10::make_intrusive<c10d::TCPStore>(tcp.getHost(), opts);
+  client->setTimeout(tcp.getTimeout());
+  return client;
+}
+
+// Twin of lanes.new_client: a new client of a TCPStore's server within connect_timeout
+// seconds (the store's timeout when <= 0), the server reached with plain sockets first:
+// torch's connect loop retries a server that is gone for its whole timeout and logs each
+// failed attempt with a C++ stack trace.
+// - A caller's connection (no stop) fails at once when every address refuses: the server was
+//   up when the instance was made, so it is gone.
+// - A background connection (stop given) retries a refusal (the server may come back), gives
+//   torch kBackgroundTurn seconds per attempt, and ends once stop() after a failed attempt.
+c10::intrusive_ptr<c10d::Store> tcp_new_client(
+    c10d::TCPStore& tcp,
     double connect_timeout,
     const std::function<bool()>& stop) {
-  auto* tcp = dynamic_cast<c10d::TCPStore*>(store.get());
-  if (tcp == nullptr) {
-    throw std::logic_error("new_client: not a TCPStore");
+  double seconds = connect_timeout > 0 ? connect_timeout : std::chrono::duration<double>(tcp.getTimeout()).count();
+  auto deadline = deadline_in(seconds);
+  if (!stop) {
+    reach(tcp.getHost(), tcp.getPort(), deadline, nullptr, /*refusal_ends=*/true);
+    return tcp_client(tcp, std::max(seconds_until(deadline), kTick));
   }
-  double seconds = connect_timeout > 0
-      ? connect_timeout
-      : std::chrono::duration<double>(tcp->getTimeout()).count();
-  auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   double pause = 0.01;
   while (true) {
-    reach(tcp->getHost(), tcp->getPort(), deadline, stop);
+    reach(tcp.getHost(), tcp.getPort(), deadline, stop);
     try {
-      double left = std::chrono::duration<double>(deadline - Clock::now()).count();
-      return new_client(store, std::max(std::min(left, kBackgroundTurn), kTick));
+      return tcp_client(tcp, std::max(std::min(seconds_until(deadline), kBackgroundTurn), kTick));
     } catch (const std::exception&) {
-      double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+      double left = seconds_until(deadline);
       if (left <= 0 || stop()) {
         throw;
       }
@@ -223,25 +260,11 @@ c10::intrusive_ptr<c10d::Store> new_client(
     return c10::make_intrusive<c10d::PrefixStore>(
         PrefixAccess::prefix(*prefix), new_client(prefix->getUnderlyingStore(), connect_timeout, stop));
   }
-  if (stop) {
-    return background_client(store, connect_timeout, stop);
-  }
   auto* tcp = dynamic_cast<c10d::TCPStore*>(store.get());
   if (tcp == nullptr) {
     throw std::logic_error("new_client: not a TCPStore");
   }
-  c10d::TCPStoreOptions opts;
-  opts.port = tcp->getPort();
-  opts.isServer = false;
-  opts.waitWorkers = false;
-  opts.timeout = tcp->getTimeout();
-  if (connect_timeout > 0 && millis(connect_timeout) < opts.timeout) {
-    opts.timeout = millis(connect_timeout);  // connecting gives up then; the lane sets its own later
-  }
-  opts.useLibUV = tcp->isLibUvBackend();
-  auto client = c10::make_intrusive<c10d::TCPStore>(tcp->getHost(), opts);
-  client->setTimeout(tcp->getTimeout());
-  return client;
+  return tcp_new_client(*tcp, connect_timeout, stop);
 }
 } // namespace
 

@@ -88,9 +88,11 @@ class Lanes {
   explicit Lanes(c10::intrusive_ptr<c10d::Store> store, bool cas = true, bool deletes = true);
   // connect_timeout (seconds, > 0): the longest a new connection may take to open (an op's
   // time left), so that a server that is gone cannot hold an op past its deadline.
-  // stop (set): a background connection (the watcher's, twin of lanes.new_client's stop): the
-  // server is reached with plain sockets first, torch gets kBackgroundTurn seconds per
-  // attempt, and the attempt ends once stop() is true after a failed one.
+  // Every new TCPStore connection reaches the server with plain sockets before torch's connect
+  // (twin of lanes.new_client): a caller's fails at once when every address refuses.
+  // stop (set): a background connection (the watcher's, twin of lanes.new_client's stop): a
+  // refusal is retried, torch gets kBackgroundTurn seconds per attempt, and the attempt ends
+  // once stop() is true after a failed one.
   std::unique_ptr<Lane> acquire(double connect_timeout = -1.0, const std::function<bool()>& stop = nullptr);
   // A new lane (a new connection where lanes are owned), never one from the pool.
   std::unique_ptr<Lane> open(double connect_timeout = -1.0, const std::function<bool()>& stop = nullptr);

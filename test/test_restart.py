@@ -132,6 +132,52 @@ def test_ops_fail_within_their_timeout_once_the_server_is_gone(impl: str, kind: 
         c.close(flush_timeout=0.5)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+def test_a_server_gone_fails_ops_and_abort_at_once_in_one_line(
+    impl: str, kind: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Once the server is gone its address refuses connections: an op that needs a new
+    connection, and abort(), fail at once with one line naming the address (they spent their
+    connect budget in torch's connect loop, the store's timeout for abort, and torch logged
+    every failed attempt with a C++ stack trace). What reaches stderr is at most torch's own
+    warning for a connection it found dead, never its connect loop's."""
+    stores = Stores(kind)
+    colls = [make(impl, stores.client(r), r, WORLD) for r in range(WORLD)]
+    run_ranks(WORLD, lambda r: colls[r].all_gather("warm", b"x", timeout=30))
+    # Both watchers have opened their connections once the all_gather's keys are deleted
+    # (each rank counts itself out on its own watcher): none is connecting when the server goes.
+    deadline = time.monotonic() + 10
+    while stores.admin.num_keys() > 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stores.admin.num_keys() <= 1, stores.admin.num_keys()
+    port = stores.port
+    del stores.server, stores.admin  # the server goes away
+    for i in range(3):
+        started = time.monotonic()
+        with pytest.raises(CollectiveError) as info:
+            colls[0].barrier(f"gone{i}", timeout=20)
+        took = time.monotonic() - started
+        text = str(info.value)
+        assert text.startswith(f"barrier 'gone{i}': store unreachable: "), text
+        assert "\n" not in text, text
+        assert took < 1.5, (i, took)  # was the connect budget: half the op's 20 s
+        if i > 0:  # the first op may find its pooled connection dead instead
+            assert f"{HOST}:{port} is unreachable" in text and "refused" in text, text
+    started = time.monotonic()
+    with pytest.raises(CollectiveError) as info:
+        colls[1].abort("gone")
+    assert time.monotonic() - started < 1.5
+    text = str(info.value)
+    assert text.startswith("abort: store unreachable: ") and "\n" not in text, text
+    for c in colls:
+        c.close(flush_timeout=0.5)
+    err = capfd.readouterr().err
+    # torch's connect loop logs "failed to connect/validate" and "timed out ... while trying to connect"
+    assert "failed to connect/validate" not in err and "while trying to connect" not in err, err
+
+
 class _TurnHeld:
     """Another caller holding the Python twin's one-at-a-time turn to construct a client (torch
     2.6-2.7), as a watcher reconnecting to a server that is gone, or a connect to a server that

@@ -15,7 +15,7 @@ from typing import NoReturn, Union
 
 import torch.distributed as dist
 
-from .errors import init_error, one_line
+from .errors import CollectiveError, init_error, one_line
 from .lanes import BASIC, base_store, check_server, python_methods
 from .watcher import connection_lost
 
@@ -403,6 +403,15 @@ def unreachable(exc: BaseException, rank: int, world_size: int) -> BaseException
     after :func:`check_reachable`) becomes the same one line; anything else stays as it is."""
     if isinstance(exc, Exception) and connection_lost(exc):
         return init_error(rank, world_size, f"store unreachable: {one_line(str(exc))}")
+    return exc
+
+
+def abort_unreachable(exc: BaseException) -> BaseException:
+    """``abort()`` could not reach the store: a lost connection or a server that is gone
+    becomes one line, ``abort: store unreachable: ...`` (a CollectiveError, so a DistStoreError);
+    anything else stays as it is. Both twins raise this."""
+    if isinstance(exc, Exception) and connection_lost(exc):
+        return CollectiveError(f"abort: store unreachable: {one_line(str(exc))}")
     return exc
 
 

@@ -24,6 +24,7 @@ from .base import (
     ControlCollectives,
     Data,
     Timeout,
+    abort_unreachable,
     check_heartbeat,
     check_init,
     check_reachable,
@@ -167,7 +168,11 @@ class CppStoreCollectives(ControlCollectives):
         """Mark the group (every instance on this store namespace and world size) as failed by
         this rank. Peers blocked in any collective raise ``CollectiveAbortedError`` within a
         second; later collectives raise it at once. Idempotent: the first reason wins."""
-        self._impl.abort(check_reason(reason))  # a str, cut to MAX_REASON_BYTES like the Python twin's
+        reason = check_reason(reason)  # a str, cut to MAX_REASON_BYTES like the Python twin's
+        try:
+            self._impl.abort(reason)
+        except Exception as exc:
+            raise abort_unreachable(exc) from None
 
     def close(self, flush_timeout: float = 5.0) -> None:
         """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections."""

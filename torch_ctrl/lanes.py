@@ -23,6 +23,7 @@ The C++ twin rebuilds such chains with new clients.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import sys
@@ -216,20 +217,28 @@ def new_client(
     included: once a server is gone, every watcher of the process reconnects in turn, and an
     op queued behind them all would outlive its deadline).
 
-    ``stop`` marks a background connection (a watcher's): the server is reached with plain
-    sockets before torch is called, torch gets ``BACKGROUND_TURN`` seconds per attempt, and the
-    attempt ends with DistNetworkError once ``stop()`` is true (the process exits). A thread
-    inside torch's connect loop when the interpreter finalizes kills the process as the call
-    returns; one in the plain-socket check does not, and a server that is gone keeps it there."""
-    if capabilities.CLONE and stop is None:
-        return _tcp_client(store, connect_timeout)
+    The server is reached with plain sockets before torch is called (:func:`_reach`): torch's
+    connect loop retries a server that is gone for its whole timeout and logs each failed
+    attempt with a C++ stack trace. A caller's connection (no ``stop``) fails at once when every
+    address of the server refuses it: the server was up when the instance was made, so it is
+    gone (the one line says so).
+
+    ``stop`` marks a background connection (a watcher's): a refusal is retried (the server may
+    come back), torch gets ``BACKGROUND_TURN`` seconds per attempt, and the attempt ends with
+    DistNetworkError once ``stop()`` is true (the process exits). A thread inside torch's
+    connect loop when the interpreter finalizes kills the process as the call returns; one in
+    the plain-socket check does not, and a server that is gone keeps it there."""
     seconds = store.timeout.total_seconds() if connect_timeout is None else connect_timeout
     deadline = time.monotonic() + seconds
+    if capabilities.CLONE and stop is None:
+        _reach(store.host, store.port, deadline, refusal_ends=True)
+        left = None if connect_timeout is None else max(deadline - time.monotonic(), _TICK)
+        return _tcp_client(store, left)
     pause = 0.01
     while True:
         # A server that is gone is found here, without the turn: one caller's reconnects to it
         # (a watcher's, every wake) must not hold every other caller's turn for seconds.
-        _reach(store.host, store.port, deadline, stop)
+        _reach(store.host, store.port, deadline, stop, refusal_ends=stop is None)
         if not _CONNECT.acquire(timeout=max(deadline - time.monotonic(), _TICK)):
             raise dist.DistNetworkError(
                 f"no connection could be started within {seconds:g}s: "
@@ -253,23 +262,54 @@ def _unreachable(host: str, port: int, exc: OSError) -> dist.DistNetworkError:
     return dist.DistNetworkError(f"the store's server {host}:{port} is unreachable: {exc}")
 
 
-def _reach(host: str, port: int, deadline: float, stop: Callable[[], bool] | None = None) -> None:
-    """Return once ``host:port`` accepts a TCP connection (closed at once; the server only
-    sees a client that left), or raise DistNetworkError at ``deadline`` or, once it failed, when
-    ``stop()`` is true. Plain sockets and sleeps: a thread waiting here holds no lock and is not
-    inside torch when the process exits."""
+def _attempt(host: str, port: int, seconds: float) -> OSError | None:
+    """One plain TCP connection to each address of ``host:port`` in turn, each closed at once
+    (the server only sees a client that left): None when one accepts, else an error. The error
+    is a ``ConnectionRefusedError`` only when every address refused; a name that does not
+    resolve gives its ``gaierror``, an address that neither accepts nor refuses within
+    ``seconds`` a ``TimeoutError``. (csrc/lanes.cpp connects() is its twin.)"""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return exc
+    refused: OSError | None = None
+    other: OSError | None = None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.settimeout(max(seconds, _TICK))
+            try:
+                sock.connect(address)
+                return None
+            except ConnectionRefusedError as exc:
+                refused = exc
+            except (TimeoutError, socket.timeout):  # distinct classes before Python 3.10
+                other = TimeoutError(errno.ETIMEDOUT, os.strerror(errno.ETIMEDOUT))
+            except OSError as exc:
+                other = exc
+    return other or refused or ConnectionRefusedError(errno.ECONNREFUSED, os.strerror(errno.ECONNREFUSED))
+
+
+def _reach(
+    host: str,
+    port: int,
+    deadline: float,
+    stop: Callable[[], bool] | None = None,
+    refusal_ends: bool = False,
+) -> None:
+    """Return once ``host:port`` accepts a TCP connection (:func:`_attempt`), or raise
+    DistNetworkError at ``deadline``, once it failed when ``stop()`` is true, or at once when
+    every address refused and ``refusal_ends``. Plain sockets and sleeps: a thread waiting here
+    holds no lock and is not inside torch when the process exits."""
     pause = 0.01
     while True:
+        exc = _attempt(host, port, min(deadline - time.monotonic(), 1.0))
+        if exc is None:
+            return
         left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(min(left, 1.0), _TICK)):
-                return
-        except OSError as exc:
-            left = deadline - time.monotonic()
-            if left <= 0 or (stop is not None and stop()):
-                raise _unreachable(host, port, exc) from None
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.5)
+        if left <= 0 or (stop is not None and stop()) or (refusal_ends and isinstance(exc, ConnectionRefusedError)):
+            raise _unreachable(host, port, exc) from None
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.5)
 
 
 # How long the check of a new instance waits for one address of the store's server to accept
@@ -288,23 +328,9 @@ def check_server(store: dist.Store) -> None:
     base = base_store(store)
     if not isinstance(base, dist.TCPStore):
         return
-    try:
-        addresses = socket.getaddrinfo(base.host, base.port, type=socket.SOCK_STREAM)
-    except OSError:
-        return
-    refused: OSError | None = None
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as sock:
-            sock.settimeout(CHECK_CONNECT)
-            try:
-                sock.connect(address)
-                return
-            except (TimeoutError, socket.timeout):  # distinct classes before Python 3.10
-                return
-            except OSError as exc:
-                refused = exc
-    if refused is not None:
-        raise _unreachable(base.host, base.port, refused)
+    exc = _attempt(base.host, base.port, CHECK_CONNECT)
+    if isinstance(exc, ConnectionRefusedError):
+        raise _unreachable(base.host, base.port, exc)
 
 
 def _tcp_client(store: dist.TCPStore, connect_timeout: float | None) -> dist.TCPStore:
@@ -645,9 +671,10 @@ class Lanes:
                 # server that is gone. Reach the server within the time given first; that
                 # probe connection is dropped at once.
                 new_client(base, connect_timeout, stop)
-            elif stop is not None and isinstance(base, dist.TCPStore):
-                # A background connection with no time limit: a plain-socket check suffices.
-                _reach(base.host, base.port, time.monotonic() + base.timeout.total_seconds(), stop)
+            elif isinstance(base, dist.TCPStore):
+                # No time limit: a plain-socket check suffices (see new_client).
+                deadline = time.monotonic() + base.timeout.total_seconds()
+                _reach(base.host, base.port, deadline, stop, refusal_ends=stop is None)
             return self.store.clone()
         return new_client(self.store, stop=stop)
 

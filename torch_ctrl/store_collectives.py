@@ -22,6 +22,7 @@ from .base import (
     ControlCollectives,
     Data,
     Timeout,
+    abort_unreachable,
     check_heartbeat,
     check_init,
     check_key,
@@ -253,8 +254,11 @@ class PyStoreCollectives(ControlCollectives):
         reason = check_reason(reason)  # a str, cut to MAX_REASON_BYTES like the C++ twin's
         self._check_process("abort")
         mine = b"%d:%s" % (self._rank, reason.encode("utf-8", "replace"))
-        with self._lanes.lane() as lane:
-            notice = lane.claim(self._watcher.abort_key, mine)
+        try:
+            with self._lanes.lane() as lane:
+                notice = lane.claim(self._watcher.abort_key, mine)
+        except Exception as exc:
+            raise abort_unreachable(exc) from None
         self._watcher.aborted(notice)
 
     def close(self, flush_timeout: float = 5.0) -> None:
