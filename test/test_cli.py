@@ -84,10 +84,14 @@ def test_inspect_command_json_text_prefix_and_watch() -> None:
         ).stdout
     )
     assert other["groups"] == []
-    bad = _run("-m", "torch_ctrl", "inspect", "127.0.0.1:1", "--timeout", "1", "--interval", "0")
-    # One line of its own (torch's C++ log may add its own lines before it).
-    assert bad.returncode == 1 and bad.stderr.splitlines()[-1].startswith("torch-ctrl inspect: cannot read 127.0.0.1:1")
-    assert "Traceback" not in bad.stderr
+    # An address nothing listens on, or a name that does not resolve: one line at once, even
+    # with a long timeout (torch's connect loop would retry for all of it, printing C++ traces).
+    for nowhere in ("127.0.0.1:1", "no-such-host.invalid:29500"):
+        bad = _run("-m", "torch_ctrl", "inspect", nowhere, "--timeout", "60", "--interval", "0")
+        assert bad.returncode == 1, bad.stderr
+        assert bad.stderr.strip() == bad.stderr.strip().splitlines()[0], bad.stderr  # one line, nothing else
+        said = f"torch-ctrl inspect: cannot read {nowhere}: the store's server {nowhere} is unreachable"
+        assert bad.stderr.startswith(said), bad.stderr
 
     # A suite started in the background of a non-interactive shell (`cmd &`) inherits SIGINT
     # ignored, and so would the child, which Ctrl-C then could not stop: a handler here makes

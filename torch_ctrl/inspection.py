@@ -31,6 +31,7 @@ from urllib.parse import unquote_to_bytes
 import torch.distributed as dist
 
 from . import keys as K
+from . import lanes
 from . import rdzv_state as R
 from .lanes import peek
 
@@ -671,6 +672,9 @@ def connect(address: str, timeout: float = 5.0) -> dist.TCPStore:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not host:
         raise ValueError(f"expected HOST:PORT, got {address!r}")
+    # An address nothing listens on fails at once, in one line (torch's connect would retry it
+    # for the whole timeout and print C++ stack traces).
+    lanes.reach(host.strip("[]"), int(port), timeout)
     return dist.TCPStore(host.strip("[]"), int(port), None, False, timedelta(seconds=timeout), wait_for_workers=False)
 
 

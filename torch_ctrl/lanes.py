@@ -231,14 +231,14 @@ def new_client(
     seconds = store.timeout.total_seconds() if connect_timeout is None else connect_timeout
     deadline = time.monotonic() + seconds
     if capabilities.CLONE and stop is None:
-        _reach(store.host, store.port, deadline, refusal_ends=True)
+        _reach(store.host, store.port, deadline, ends=_REFUSED)
         left = None if connect_timeout is None else max(deadline - time.monotonic(), _TICK)
         return _tcp_client(store, left)
     pause = 0.01
     while True:
         # A server that is gone is found here, without the turn: one caller's reconnects to it
         # (a watcher's, every wake) must not hold every other caller's turn for seconds.
-        _reach(store.host, store.port, deadline, stop, refusal_ends=stop is None)
+        _reach(store.host, store.port, deadline, stop, () if stop else _REFUSED)
         if not _CONNECT.acquire(timeout=max(deadline - time.monotonic(), _TICK)):
             raise dist.DistNetworkError(
                 f"no connection could be started within {seconds:g}s: "
@@ -289,24 +289,38 @@ def _attempt(host: str, port: int, seconds: float) -> OSError | None:
     return other or refused or ConnectionRefusedError(errno.ECONNREFUSED, os.strerror(errno.ECONNREFUSED))
 
 
+# What ends a caller's wait for a server at once: every address refused. The server was up
+# when the instance was made, so it is gone; torch's connect would retry it for its timeout.
+_REFUSED: tuple[type[OSError], ...] = (ConnectionRefusedError,)
+
+
+def reach(host: str, port: int, seconds: float) -> None:
+    """Return once ``host:port`` accepts a plain TCP connection (closed at once), before a
+    torch client is made of an address given by a user; raise DistNetworkError at once when
+    the name does not resolve or every address refuses, else after ``seconds``. torch's
+    connect loop would retry both for its whole timeout, logging every failed attempt with a
+    C++ stack trace."""
+    _reach(host, port, time.monotonic() + seconds, ends=(*_REFUSED, socket.gaierror))
+
+
 def _reach(
     host: str,
     port: int,
     deadline: float,
     stop: Callable[[], bool] | None = None,
-    refusal_ends: bool = False,
+    ends: tuple[type[OSError], ...] = (),
 ) -> None:
     """Return once ``host:port`` accepts a TCP connection (:func:`_attempt`), or raise
-    DistNetworkError at ``deadline``, once it failed when ``stop()`` is true, or at once when
-    every address refused and ``refusal_ends``. Plain sockets and sleeps: a thread waiting here
-    holds no lock and is not inside torch when the process exits."""
+    DistNetworkError at ``deadline``, once it failed when ``stop()`` is true, or at once on an
+    error of a type in ``ends`` (``_REFUSED``: every address refused). Plain sockets and sleeps:
+    a thread waiting here holds no lock and is not inside torch when the process exits."""
     pause = 0.01
     while True:
         exc = _attempt(host, port, min(deadline - time.monotonic(), 1.0))
         if exc is None:
             return
         left = deadline - time.monotonic()
-        if left <= 0 or (stop is not None and stop()) or (refusal_ends and isinstance(exc, ConnectionRefusedError)):
+        if left <= 0 or (stop is not None and stop()) or isinstance(exc, ends):
             raise _unreachable(host, port, exc) from None
         time.sleep(min(pause, left))
         pause = min(pause * 2, 0.5)
@@ -674,7 +688,7 @@ class Lanes:
             elif isinstance(base, dist.TCPStore):
                 # No time limit: a plain-socket check suffices (see new_client).
                 deadline = time.monotonic() + base.timeout.total_seconds()
-                _reach(base.host, base.port, deadline, stop, refusal_ends=stop is None)
+                _reach(base.host, base.port, deadline, stop, () if stop else _REFUSED)
             return self.store.clone()
         return new_client(self.store, stop=stop)
 
