@@ -249,6 +249,8 @@ class ControlCollectives(abc.ABC):
 
         Raises:
             NotImplementedError: the backend has no fail-fast support.
+            CollectiveError: the store cannot be reached (``abort: store unreachable: ...``,
+                at once when the store's server refuses connections).
 
         Example::
 
