@@ -253,6 +253,8 @@ PYBIND11_MODULE(_C, m) {
         "The process exits: watchers drain their cleanup and stop, even with callers blocked.");
   m.def("_op_prefix", &torch_ctrl::keys::op_prefix, "Key prefix of one collective (for layout tests).");
   m.def("_base_key", &torch_ctrl::base_key, "The store under any PrefixStores, and the key as it sees it.");
+  m.def("_attempt", &torch_ctrl::attempt, py::call_guard<py::gil_scoped_release>(),
+        "One plain connection to each address of host:port: '' when one accepts, else the error.");
 
   // The collective methods take the Python arguments as they come (csrc/arguments.h converts
   // them, as torch_ctrl/base.py's helpers do), with the Python signatures and defaults: the

@@ -116,14 +116,15 @@ constexpr double kBackgroundTurn = 2.0;
 
 // Twin of lanes._attempt: one plain TCP connection to each address of host:port in turn, each
 // within `seconds` and closed at once: 0 when one accepts, else an errno, ECONNREFUSED only
-// when every address refused (a name that does not resolve: EHOSTUNREACH).
+// when every address refused; a name that does not resolve gives getaddrinfo's (negative)
+// EAI_* code, as Python's socket.gaierror carries it.
 int connects(const std::string& host, int port, double seconds) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) {
-    return EHOSTUNREACH;
+  if (int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found); rc != 0) {
+    return rc == EAI_SYSTEM ? errno : rc;  // EAI_SYSTEM: Python raises the OSError of errno
   }
   int other = 0; // the last error other than a refusal
   for (addrinfo* ai = found; ai != nullptr; ai = ai->ai_next) {
@@ -159,6 +160,20 @@ int connects(const std::string& host, int port, double seconds) {
   return other != 0 ? other : ECONNREFUSED;
 }
 
+Clock::time_point deadline_in(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+double seconds_until(Clock::time_point deadline) {
+  return std::chrono::duration<double>(deadline - Clock::now()).count();
+}
+
+// What an error of connects() reads as, in the words of the Python exception its twin gives:
+// "[Errno 111] Connection refused", "[Errno -2] Name or service not known".
+std::string describe_connect_error(int error) {
+  return "[Errno " + std::to_string(error) + "] " + (error < 0 ? gai_strerror(error) : std::strerror(error));
+}
+
 // Twin of lanes._reach: return once host:port accepts a TCP connection, or throw
 // DistNetworkError at the deadline, once it failed when stop() is true, or at once when every
 // address refused and refusal_ends. Plain sockets and sleeps: a thread waiting here is not
@@ -171,29 +186,20 @@ void reach(
     bool refusal_ends = false) {
   double pause = 0.01;
   while (true) {
-    double left = std::chrono::duration<double>(deadline - Clock::now()).count();
-    int error = connects(host, port, std::min(left, 1.0));
+    int error = connects(host, port, std::min(seconds_until(deadline), 1.0));
     if (error == 0) {
       return;
     }
-    left = std::chrono::duration<double>(deadline - Clock::now()).count();
+    double left = seconds_until(deadline);
     if (left <= 0 || (stop && stop()) || (refusal_ends && error == ECONNREFUSED)) {
       // The same words as the Python twin's (which shows Python's OSError).
       throw c10::DistNetworkError(
-          "the store's server " + host + ":" + std::to_string(port) + " is unreachable: [Errno " +
-          std::to_string(error) + "] " + std::strerror(error));
+          "the store's server " + host + ":" + std::to_string(port) + " is unreachable: " +
+          describe_connect_error(error));
     }
     std::this_thread::sleep_for(std::chrono::duration<double>(std::min(pause, left)));
     pause = std::min(pause * 2, 0.5);
   }
-}
-
-Clock::time_point deadline_in(double seconds) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
-
-double seconds_until(Clock::time_point deadline) {
-  return std::chrono::duration<double>(deadline - Clock::now()).count();
 }
 
 // Twin of lanes._tcp_client: torch's client of tcp's server (same host, port, backend and
@@ -267,6 +273,11 @@ c10::intrusive_ptr<c10d::Store> new_client(
   return tcp_new_client(*tcp, connect_timeout, stop);
 }
 } // namespace
+
+std::string attempt(const std::string& host, int port, double seconds) {
+  int error = connects(host, port, seconds);
+  return error == 0 ? "" : describe_connect_error(error);
+}
 
 std::pair<c10::intrusive_ptr<c10d::Store>, std::string> base_key(
     c10::intrusive_ptr<c10d::Store> store,

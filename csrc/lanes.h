@@ -22,6 +22,10 @@ std::pair<c10::intrusive_ptr<c10d::Store>, std::string> base_key(
     c10::intrusive_ptr<c10d::Store> store,
     std::string key);
 
+// One plain TCP connection to each address of host:port (twin of lanes._attempt): "" when one
+// accepts, else the error in the words of the Python twin's exception.
+std::string attempt(const std::string& host, int port, double seconds);
+
 // torch's trampoline for Python-written stores does not forward delete_key to
 // Python; the bindings install this hook to call the Python method directly.
 extern std::function<void(c10d::Store&, const std::string&)> python_delete_key;

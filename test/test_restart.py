@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 from helpers import HOST, IMPLS, DictStore, Gate, Stores, make, make_cls, run_ranks
 
+import torch_ctrl
 from torch_ctrl.errors import CollectiveAbortedError, CollectiveError, CollectiveTimeoutError
 
 WORLD = 2
@@ -211,6 +212,26 @@ class _TurnHeld:
     def __exit__(self, *exc: object) -> None:
         self.release.set()
         self.thread.join(10)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(torch_ctrl.backend() != "cpp", reason="the C++ extension did not load")
+def test_twins_word_a_connection_that_fails_alike() -> None:
+    """Both twins' plain connect (lanes._attempt, csrc/lanes.cpp connects()) reach a live
+    server, and word a refusal and a name that does not resolve in the same words, so an op's
+    "store unreachable" line reads the same from either implementation."""
+    from torch_ctrl import _C, lanes
+
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    cases = {"live": (HOST, server.port), "refused": (HOST, 1), "no name": ("no-such-host.invalid", 29500)}
+    seen = {}
+    for case, (host, port) in cases.items():
+        py = lanes._attempt(host, port, 5.0)
+        seen[case] = ("" if py is None else str(py), _C._attempt(host, port, 5.0))
+    assert seen["live"] == ("", "")
+    assert seen["refused"][0] == seen["refused"][1] == "[Errno 111] Connection refused"
+    assert seen["no name"][0] == seen["no name"][1], seen
+    assert seen["no name"][1].startswith("[Errno -"), seen
 
 
 @pytest.mark.timeout(60)
