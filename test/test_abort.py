@@ -255,3 +255,61 @@ def test_heartbeats_stop_on_close_and_gc(impl: str, how: str) -> None:
     counting.reset()
     time.sleep(0.4)
     assert counting.counts().get("add", 0) == 0
+
+
+_INTERRUPTED_CHILD = """
+import sys, time
+import torch.distributed as dist
+import torch_ctrl
+cls = torch_ctrl.PyStoreCollectives if sys.argv[2] == "python" else torch_ctrl.StoreCollectives
+store = dist.PrefixStore("job", dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False))
+coll = cls(store, 0, 2)
+print("READY", flush=True)
+try:
+    coll.barrier("k", timeout=60)
+except KeyboardInterrupt:
+    print("INTERRUPTED", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_interrupted_while_blocked_leaves_once_the_group_is_aborted(impl: str) -> None:
+    """Ctrl-C reaches a rank blocked in a collective only when the op returns (as with
+    torch's own store calls); another rank's abort() is the documented way to release it
+    (docs/troubleshooting.md): the op returns within a second and the pending
+    KeyboardInterrupt is raised, not lost to the abort's error."""
+    import subprocess
+    import sys
+
+    from helpers import HOST, make_cls
+
+    import torch_ctrl
+
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    child_impl = "python" if impl == "python" else "cpp"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPTED_CHILD, str(server.port), child_impl],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "READY"
+        deadline = time.monotonic() + 30
+        while not any(  # the child's arrival is in the store: it is inside the barrier's store call
+            op["op"] == "barrier" and op["arrived"] == 1
+            for g in torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0)["groups"]
+            for op in g["in_flight"]
+        ):
+            assert time.monotonic() < deadline, "the child's barrier never showed in the store"
+        child.send_signal(signal.SIGINT)
+        peer = make_cls(impl, 1)(dist.PrefixStore("job", dist.TCPStore(HOST, server.port, is_master=False)), 1, 2)
+        aborted = time.monotonic()
+        peer.abort("stop the job")
+        out, _ = child.communicate(timeout=30)
+        left = time.monotonic() - aborted
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert "INTERRUPTED" in out, out
+    assert left < 1.0 + 1.5, (left, out)  # the abort poll (under 1 s) and a process exit
