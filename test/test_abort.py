@@ -295,10 +295,10 @@ def test_a_rank_interrupted_while_blocked_leaves_once_the_group_is_aborted(impl:
     )
     try:
         assert child.stdout.readline().strip() == "READY"
-        deadline = time.monotonic() + 30
+        reader, deadline = dist.TCPStore(HOST, server.port, is_master=False), time.monotonic() + 30
         while not any(  # the child's arrival is in the store: it is inside the barrier's store call
             op["op"] == "barrier" and op["arrived"] == 1
-            for g in torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0)["groups"]
+            for g in torch_ctrl.inspect(reader, interval=0)["groups"]
             for op in g["in_flight"]
         ):
             assert time.monotonic() < deadline, "the child's barrier never showed in the store"
