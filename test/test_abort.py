@@ -259,7 +259,9 @@ def test_heartbeats_stop_on_close_and_gc(impl: str, how: str) -> None:
 
 
 _INTERRUPTED_CHILD = """
-import sys, time
+import signal, sys, time
+# A suite run in the background of a non-interactive shell hands its children SIGINT ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import torch.distributed as dist
 import torch_ctrl
 cls = torch_ctrl.PyStoreCollectives if sys.argv[2] == "python" else torch_ctrl.StoreCollectives
