@@ -92,7 +92,9 @@ def test_errors_name_hosts() -> None:
         coll = torch_ctrl.from_env(env=_env(stores, r, n, TORCH_CTRL_ROUND="0", TORCH_CTRL_HOSTS=hosts))
         assert isinstance(coll, torch_ctrl.StoreCollectives)
         with pytest.raises(torch_ctrl.CollectiveTimeoutError) as info:
-            coll.barrier("b", 0.5)
+            # Long enough for rank 1 to be named present: its connections may each stall for the
+            # resolver's 1 s (conftest) before its arrival and its name reach the store.
+            coll.barrier("b", 5)
         coll.close()
         assert info.value.missing == [2]
         return str(info.value)
