@@ -111,3 +111,21 @@ def test_the_python_twin_runs_above_128_threads_only_when_named() -> None:
     default.file_dir = None  # set by main(); a raw store has no file
     world = bench.world_for(512, "raw", 0, default, "t")
     assert "python" not in world.contenders and all(c != "python" for _, _, c in world.tasks)
+
+
+def test_blocks_order_runs_each_contender_back_to_back(tmp_path: Path) -> None:
+    """``--order blocks`` times what an application using one implementation sees: its rounds back
+    to back, its cleanup meeting its own next op, never another contender's."""
+    blocks = bench.schedule(["barrier"], ["torch", "cpp"], 3, order="blocks")
+    assert [c for _, _, c in blocks] == ["torch"] * 4 + ["cpp"] * 4
+    assert [r for _, r, _ in blocks] == [-1, 0, 1, 2] * 2
+    interleaved = bench.schedule(["barrier"], ["torch", "cpp"], 3)
+    assert [c for _, _, c in interleaved[:4]] == ["cpp", "torch", "torch", "cpp"]  # rotates each round
+    assert sorted(blocks) == sorted(interleaved)  # the same tasks, in another order
+    args = ("--world-sizes", "2", "--rounds", "2", "--ops", "barrier,broadcast", "--order", "blocks")
+    done, data = _bench(tmp_path, *args, "--count-world-sizes", "", "--store", "prefix")
+    assert data["meta"]["order"] == "blocks" and "order=blocks" in done.stdout
+    present = [c for c in FULL_API if c not in bench.unavailable()]
+    got = {(r["op"], r["contender"]): r for r in data["latency"]}
+    for op, c in ((op, c) for op in ("barrier", "broadcast") for c in present):
+        assert len(got[op, c]["samples_ms"]) == 2 and not got[op, c]["errors"], got[op, c]

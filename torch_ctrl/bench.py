@@ -8,8 +8,10 @@ torchrun, ``init_process_group`` and ``from_env()`` hand out), ``file`` (a FileS
 shared HashStore). Every rank has its own store per contender; the instances are made once per N
 and store kind and reused across rounds, with a unique key per round. Rounds interleave the
 contenders (their order rotates each round, so that none always runs right after another one's
-background cleanup). All ranks start each op on a shared barrier; an op's time is
-``max(end) - min(start)`` over the ranks. See ``docs/benchmarks.md``.
+background cleanup), or, with ``--order blocks``, each contender runs all its rounds back to back,
+as an application that uses one implementation does (its cleanup then meets its own next op).
+All ranks start each op on a shared barrier; an op's time is ``max(end) - min(start)`` over the
+ranks. See ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -182,11 +184,18 @@ def _expect(ok: bool, op: str) -> None:
 # ------------------------------------------------------------------------------------ latency
 
 
-def schedule(ops: Sequence[str], contenders: Sequence[str], rounds: int, store: str = "raw") -> list[Task]:
-    """Run order: per op, a warm-up round then the timed ones, the contenders' order rotating each round."""
+def schedule(
+    ops: Sequence[str], contenders: Sequence[str], rounds: int, store: str = "raw", order: str = "interleaved"
+) -> list[Task]:
+    """Run order: per op, a warm-up round then the timed ones. ``interleaved``: every round runs each
+    contender once, their order rotating each round. ``blocks``: each contender runs its warm-up and
+    all its rounds back to back, then the next contender."""
     out: list[Task] = []
     for op in ops:
         present = [c for c in contenders if supports(c, op, store)]
+        if order == "blocks":
+            out += [(op, rnd, c) for c in present for rnd in range(-1, rounds)]
+            continue
         for rnd in range(-1, rounds):
             shift = rnd % len(present) if present else 0
             out += [(op, rnd, c) for c in present[shift:] + present[:shift]]
@@ -236,7 +245,7 @@ def contenders_at(world: int, opts: argparse.Namespace) -> list[str]:
 def world_for(world: int, store: str, port: int, opts: argparse.Namespace, tag: str) -> World:
     """The plan of one world size over one store kind."""
     contenders = contenders_at(world, opts)
-    tasks = schedule(opts.ops, contenders, rounds_for(world, opts.rounds), store)
+    tasks = schedule(opts.ops, contenders, rounds_for(world, opts.rounds), store, opts.order)
     shared = None
     if store == "hash":
         shared = dist.HashStore()
@@ -450,6 +459,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help=f"subset of {','.join(CONTENDERS)} (default: all; with --mode threads, python only up to "
         f"N={PYTHON_THREADS_MAX} unless named here)",
     )
+    add(
+        "--order",
+        choices=("interleaved", "blocks"),
+        default="interleaved",
+        help="interleaved: each round runs every contender once, in an order that rotates; blocks: each "
+        "contender runs all its rounds back to back, as an application using one of them does "
+        "(default: %(default)s)",
+    )
     add("--out", default="./bench-out", help="output directory (default: %(default)s)")
     add("--timeout", type=float, default=120.0, help="per-op and store timeout, seconds (default: %(default)s)")
     add("--count-world-sizes", default="2,8", help="world sizes of the store-call counts, '' to skip (default: 2,8)")
@@ -506,10 +523,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     meta = {**machine(), "command": "python -m torch_ctrl bench " + shlex.join(args), "open_files": raise_open_files()}
     meta.update(mode=opts.mode, stores=opts.stores, payload=opts.payload, rounds=opts.rounds, timeout_s=opts.timeout)
+    meta.update(order=opts.order)
     meta.update(count_stores=opts.count_stores if opts.count_worlds else [])
     print(
         f"# {meta['command']}\n# {meta['cpu']} x{meta['nproc']}, torch {meta['torch']}, mode={opts.mode}, "
-        f"store={','.join(opts.stores)}, payload={opts.payload} B, open files {meta['open_files']}",
+        f"store={','.join(opts.stores)}, order={opts.order}, payload={opts.payload} B, open files {meta['open_files']}",
         flush=True,
     )
     if opts.mode == "torchrun":
