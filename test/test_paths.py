@@ -10,6 +10,7 @@ import pytest
 from helpers import IMPLS, Stores, make
 
 from torch_ctrl import capabilities
+from torch_ctrl import keys as keys_mod
 from torch_ctrl.errors import CollectiveTimeoutError
 
 TCP_PATH = capabilities.BARRIER and capabilities.LIST_KEYS
@@ -47,3 +48,42 @@ def test_all_sum_generic_and_prefix_mixed_values(impl: str, kind: str) -> None:
     values = [-(2**62), 2**62, 0, -7]
     totals = run_group(impl, stores, 4, lambda c, r: c.all_sum("mix", values[r], timeout=30))
     assert totals == [sum(values)] * 4
+
+
+@pytest.mark.skipif("mixed" not in IMPLS, reason="the C++ extension is not built")
+@pytest.mark.skipif(not capabilities.LIST_KEYS, reason="this torch's TCPStore cannot list keys")
+@pytest.mark.parametrize("op", ["all_sum", "all_gather"])
+@pytest.mark.parametrize("kind", ["prefix", "prefix_nested"])
+def test_a_mixed_group_under_prefix_stores_takes_one_path(kind: str, op: str) -> None:
+    """A C++ rank and a Python rank of one group, under PrefixStores, write to the same keys of
+    the same path: both frames land in one log on the TCPStore path (one running total on the
+    generic path), and both name the rank that never came."""
+    from helpers import run_ranks
+
+    stores = Stores(kind)
+
+    def body(rank: int) -> str:
+        coll = make("mixed", stores.client(rank), rank, 3)  # rank 0 C++, rank 1 Python; rank 2 never comes
+        try:
+            with pytest.raises(CollectiveTimeoutError) as info:
+                if op == "all_sum":
+                    coll.all_sum("mixedpath", 5, timeout=1.0)
+                else:
+                    coll.all_gather("mixedpath", b"v", timeout=1.0)
+            return str(info.value)
+        finally:
+            coll.close()
+
+    errors = run_ranks(2, body)
+    for text in errors:
+        assert "2/3 ranks arrived" in text and "missing ranks: [2]" in text, text
+    keys = [k for k in stores.server.list_keys() if "/kmixedpath/" in k]
+    fields = {k.rsplit("/", 1)[1] for k in keys}
+    if TCP_PATH:
+        assert "g" in fields and "s" not in fields, fields
+        (log_key,) = [k for k in keys if k.endswith("/g")]
+        frames = keys_mod.parse_frames(stores.server.get(log_key), 3)
+        assert sorted(rank for rank, _ in frames) == [0, 1], frames
+    else:
+        expected = {"s"} if op == "all_sum" else {"r0", "r1"}
+        assert expected <= fields and "g" not in fields, fields
