@@ -12,16 +12,27 @@
 
 namespace torch_ctrl::keys {
 
-inline const std::string kProtocol = "torch_ctrl/2";
+inline const std::string kProtocol = "torch_ctrl/3";
 constexpr size_t kMaxToken = 160;
 
 // Fields of one collective.
-inline const std::string kArrive = "n";  // arrival counter; native barrier counter
+inline const std::string kArrive = "n";  // arrival counter of the generic path (add)
+inline const std::string kBarrier = "b";  // counter of the TCPStore path's server-side barrier
 inline const std::string kDone = "d";  // done flag / broadcast payload (tagged)
 inline const std::string kLog = "g";  // append-only log of frames
 inline const std::string kNames = "a";  // "rank," of ranks blocked past the grace period
 inline const std::string kExit = "x";  // exit counter
 inline const std::string kSum = "s";  // running total of a generic-path all_sum (add)
+
+// The arrival counter of a barrier, all_gather or all_sum (twin of keys.counter): never the
+// same key on the two paths, so ranks on torch releases either side of 2.12 time out saying
+// so (kOtherPath) instead of passing each other's barriers.
+inline const std::string& counter(bool native_barrier) {
+  return native_barrier ? kBarrier : kArrive;
+}
+inline const std::string kOtherPath =
+    "ranks arrived on the other store path: every rank of a group needs a torch with "
+    "TCPStore.barrier (2.12 or newer), or every rank one without";
 
 // Value tags: first byte of every single-value key (and of every log frame's payload).
 constexpr char kTagData = 'D';  // "D" + payload

@@ -105,6 +105,7 @@ class Lanes {
   bool owned() const { return owned_; }
   bool native_barrier() const { return native_barrier_; }
   bool deletes() const { return deletes_; }
+  bool tcp() const { return tcp_; }  // a TCPStore under any PrefixStores (either path)
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;

@@ -139,14 +139,14 @@ void StoreCollectives::barrier(const Key& key, double timeout, bool block) {
     if (lane->native_barrier) {
       check_counter(op, until_counted(op, *lane));
       if (rank_ == 0) {
-        delete_later({op.key(K::kArrive)});
+        delete_later({op.key(K::kBarrier)});
       }
     } else {
       exit_later(op, world_, {K::kArrive, K::kDone});
     }
     return;
   }
-  int64_t count = lane->add(op.key(K::kArrive), 1);
+  int64_t count = lane->add(op.key(K::counter(lane->native_barrier)), 1);
   if (lane->native_barrier) {
     if (count == world_ || rank_ == 0) {
       delete_when_full(op);
@@ -338,7 +338,7 @@ int64_t StoreCollectives::sum_counted(const Op& op, int64_t value) {
 }
 
 std::string StoreCollectives::arrive(const Op& op, Lane& lane, const std::function<std::string()>& publish) {
-  std::string counter = op.key(K::kArrive);
+  std::string counter = op.key(K::counter(lane.native_barrier));
   std::string done;
   std::optional<std::string> log_key;
   if (op.name == "all_gather" || op.name == "all_sum") {
@@ -420,7 +420,7 @@ Gathered StoreCollectives::exchange(const Op& op, const std::string& payload) {
     }
   }
   // Every rank has arrived (the counter reads N): its exits take it to 2N.
-  exit_later(op, 2 * world_, {K::kLog}, std::move(garbage), K::kArrive);
+  exit_later(op, 2 * world_, {K::kLog}, std::move(garbage), K::kBarrier);
   if (found != world_) {
     std::string ranks = "[";
     for (int r = 0; r < world_; ++r) {
@@ -560,7 +560,7 @@ std::optional<std::string> StoreCollectives::until_counted(const Op& op, Lane& l
   // TCPStore wakes native-barrier waiters on any write to the counter, so a rank
   // arriving with block=false (a plain add) releases them early: then poll the counter
   // until the count is complete, the group is aborted, or the deadline passes.
-  std::string key = op.key(K::kArrive);
+  std::string key = op.key(K::kBarrier);
   auto counter = lane.peek(key);
   auto short_of = [this, &op, &key](const std::optional<std::string>& value) {
     return value && decode(op, key, [&] { return K::parse_counter(*value); }) < world_;
@@ -588,7 +588,7 @@ void StoreCollectives::check_counter(const Op& op, const std::optional<std::stri
   if (!counter) {
     return;  // rank 0 deleted it: every rank had arrived
   }
-  int64_t count = decode(op, op.key(K::kArrive), [&] { return K::parse_counter(*counter); });
+  int64_t count = decode(op, op.key(K::kBarrier), [&] { return K::parse_counter(*counter); });
   if (count >= K::kAbortBias) {
     std::optional<std::string> notice;
     {
@@ -669,7 +669,7 @@ void StoreCollectives::timeout(const Op& op, Lane& lane) {
     lane.append(op.key(K::kNames), std::to_string(rank_) + ",");
     // Each rank appends at most twice (past the grace period, at its timeout).
     present = K::parse_names(lane.peek_log(op.key(K::kNames), 2 * int64_t{world_}).value_or(""), world_);
-    auto counter = lane.peek(op.key(K::kArrive));
+    auto counter = lane.peek(op.key(K::counter(lane.native_barrier)));
     arrived = counter ? static_cast<int>(std::min<int64_t>(K::parse_counter(*counter), world_))
                       : static_cast<int>(present.size());
   }
@@ -683,7 +683,23 @@ void StoreCollectives::timeout(const Op& op, Lane& lane) {
       missing.push_back(r);
     }
   }
-  throw CollectiveTimeout(op.name, op.label, op.seconds, world_, arrived, missing, "");
+  throw CollectiveTimeout(
+      op.name, op.label, op.seconds, world_, arrived, missing, other_path(op, lane) ? K::kOtherPath : "");
+}
+
+bool StoreCollectives::other_path(const Op& op, Lane& lane) {
+  // Ranks on a torch without TCPStore.barrier take the generic path where this one takes the
+  // TCPStore path (or the reverse): their keys, not this path's, show that they came.
+  if (!lanes_->tcp() || op.name == "gather_recv") {
+    return false;  // only a TCPStore has two paths, and gather has one
+  }
+  if (!lane.native_barrier) {
+    return lane.store->check({op.key(K::kBarrier)});
+  }
+  if (op.name == "all_gather") {
+    return !present_slots(op, lane).empty();
+  }
+  return lane.store->check({op.key(K::kArrive)});
 }
 
 std::set<int> StoreCollectives::present_slots(const Op& op, Lane& lane) {
@@ -766,7 +782,7 @@ void StoreCollectives::exit_later(
 }
 
 void StoreCollectives::delete_when_full(const Op& op) {
-  std::string counter = op.key(K::kArrive);
+  std::string counter = op.key(K::kBarrier);
   auto deadline = op.deadline;
   int world = world_;
   watcher_->submit([counter, deadline, world](Lane& lane) {

@@ -286,6 +286,7 @@ def test_a_rank_interrupted_while_blocked_leaves_once_the_group_is_aborted(impl:
 
     from helpers import HOST, make_cls
 
+    from torch_ctrl import capabilities
     from torch_ctrl import keys as K
 
     server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
@@ -302,7 +303,8 @@ def test_a_rank_interrupted_while_blocked_leaves_once_the_group_is_aborted(impl:
         # The child's arrival is in the store (read only: a write to the counter would wake a
         # server-side barrier): it is inside the barrier's store call. Its key, not inspect():
         # torches without list_keys (before 2.10) cannot enumerate a TCPStore's keys.
-        counter = f"job/{K.field(K.op_prefix(2, 'k', -1), K.ARRIVE)}"
+        native = capabilities.BARRIER and capabilities.LIST_KEYS  # the TCPStore path under a PrefixStore
+        counter = f"job/{K.field(K.op_prefix(2, 'k', -1), K.counter(native))}"
         reader, deadline = dist.TCPStore(HOST, server.port, is_master=False), time.monotonic() + 30
         while not (reader.check([counter]) and reader.get(counter) == b"1"):
             assert time.monotonic() < deadline, "the child's barrier never showed in the store"

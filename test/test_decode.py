@@ -193,7 +193,7 @@ def test_barrier_after_another_groups_release_is_a_collision_error(impl: str) ->
     if not capabilities.BARRIER:
         pytest.skip("no server-side barrier in this torch: the generic path counts arrivals itself")
     stores = Stores("tcp")
-    stores.client(9).add(f"{K.op_prefix(2, 'shared', -1)}/n", 2)  # the other group's 2 ranks
+    stores.client(9).add(f"{K.op_prefix(2, 'shared', -1)}/{K.BARRIER}", 2)  # the other group's 2 ranks
     coll = make(impl, stores.client(0), 0, 2)
     with pytest.raises(CollectiveError) as info:
         coll.barrier("shared", timeout=20)

@@ -19,6 +19,7 @@ from helpers import _CONNECT, Stores, make, run_ranks
 
 import torch_ctrl.elastic as elastic
 from torch_ctrl import capabilities
+from torch_ctrl import keys as K
 from torch_ctrl.elastic import agent
 from torch_ctrl.elastic import store as store_util
 
@@ -318,7 +319,7 @@ def test_each_round_starts_with_a_clean_workers_store() -> None:
 
     rdzv, workers = Stores("tcp"), Stores("tcp")
     workers.admin.set("default_pg/0//cpu/rank_1", "127.0.0.1:15748")
-    workers.admin.set("torch_ctrl/run/job/round0/torch_ctrl/2/w4/_/abort", "1:failed")
+    workers.admin.set(f"torch_ctrl/run/job/round0/{K.PROTOCOL}/w4/_/abort", "1:failed")
     workers.admin.set("torch.rendezvous.job.0/state", "kept")
 
     def node(rank: int) -> tuple[str, int]:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from helpers import CppStoreCollectives, make, make_cls, run_ranks, torchrun_two_nodes
 
 from torch_ctrl import CollectiveAbortedError, CollectiveTimeoutError
+from torch_ctrl import keys as K
 
 if os.environ.get("TORCH_CTRL_REQUIRE_ETCD"):  # CI: these tests must run, not skip
     import etcd
@@ -179,7 +180,7 @@ def test_a_torchrun_job_on_the_etcd_rendezvous(etcd_port: int, launcher: str) ->
     assert sorted(lines) == ["0", "1", "2", "3"]
     # The agents' exit barrier ran as a torch_ctrl barrier on the EtcdStore (its keys stay
     # there), and only with torch_ctrl's launcher.
-    ours = [k for k in _agent_store_keys(etcd_port, run_id) if "torch_ctrl/2/w2/kexit" in k]
+    ours = [k for k in _agent_store_keys(etcd_port, run_id) if f"{K.PROTOCOL}/w2/kexit" in k]
     assert bool(ours) == (launcher == "torch_ctrl.run"), ours
 
 

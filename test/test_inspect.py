@@ -218,7 +218,7 @@ def test_inspecting_writes_nothing() -> None:
     for key, value in before.items():
         py.set(key, value)
     Recording.calls.clear()
-    torch_ctrl.inspect(py, interval=0.1, prefix="torch_ctrl/2/w2/")
+    torch_ctrl.inspect(py, interval=0.1, prefix=K.PROTOCOL + "/w2/")
     assert Recording.calls <= {"check", "get", "multi_get", "list_keys", "num_keys", "clone", "set_timeout"}
     colls[0].abort("test over")
     for t in threads:
@@ -366,12 +366,12 @@ def test_512_ranks_and_thousands_of_finished_ops_in_under_a_second() -> None:
     keys, values = [], []
     keys += [K.group_key(n, f"hb/{r}") for r in range(n)]
     values += [b"5"] * n
-    keys += [f"{root}/kstep/{K.ARRIVE}", f"{root}/kstep/{K.NAMES}"]
+    keys += [f"{root}/kstep/{K.BARRIER}", f"{root}/kstep/{K.NAMES}"]
     values += [b"500", b"".join(b"%d," % r for r in range(500))]
-    keys += [f"{root}/khosts/{K.LOG}", f"{root}/khosts/{K.ARRIVE}"]
+    keys += [f"{root}/khosts/{K.LOG}", f"{root}/khosts/{K.BARRIER}"]
     values += [b"".join(K.frame(r, b"Dhost-%d" % r) for r in range(300)), b"300"]
     for i in range(3000):  # finished ops: counters at N awaiting their deletion, exit counters
-        keys.append(f"{root}/s{i}/{K.ARRIVE if i % 2 else K.EXIT}")
+        keys.append(f"{root}/s{i}/{K.BARRIER if i % 2 else K.EXIT}")
         values.append(b"%d" % n)
     writer.multi_set(keys, values)
     report = torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0.2, timeout=30)

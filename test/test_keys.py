@@ -31,7 +31,7 @@ def test_tokens_never_collide(k1, s1, k2, s2) -> None:
 @given(st.text(min_size=0, max_size=300))
 def test_op_keys_are_under_the_op_prefix(key: str) -> None:
     prefix = K.op_prefix(4, key, 0)
-    assert prefix.startswith("torch_ctrl/2/w4/")
+    assert prefix.startswith("torch_ctrl/3/w4/")
     assert prefix.count("/") == 3
 
 

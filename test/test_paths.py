@@ -7,6 +7,7 @@ the log ``g`` on the TCPStore path, the running total ``s`` on the generic path.
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 from helpers import IMPLS, Stores, make
 
 from torch_ctrl import capabilities
@@ -87,3 +88,50 @@ def test_a_mixed_group_under_prefix_stores_takes_one_path(kind: str, op: str) ->
     else:
         expected = {"s"} if op == "all_sum" else {"r0", "r1"}
         assert expected <= fields and "g" not in fields, fields
+
+
+def _generic_on_tcp(store: dist.Store, rank: int, world_size: int, monkeypatch: pytest.MonkeyPatch) -> object:
+    """A Python instance that takes the generic path over a TCPStore, as on a torch without
+    TCPStore.barrier (2.6-2.11): the capability is read when the instance is made."""
+    from torch_ctrl import lanes
+    from torch_ctrl.store_collectives import PyStoreCollectives
+
+    with monkeypatch.context() as m:
+        m.setattr(lanes.capabilities, "BARRIER", False)
+        coll = PyStoreCollectives(store, rank, world_size)
+    assert not coll._lanes.native_barrier
+    return coll
+
+
+@pytest.mark.skipif(not TCP_PATH, reason="this torch takes the generic path on every store")
+@pytest.mark.parametrize("op", ["barrier", "all_gather", "all_sum"])
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+def test_ranks_on_both_sides_of_torch_2_12_time_out_naming_the_other_path(
+    impl: str, kind: str, op: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group whose ranks run torch releases on both sides of 2.12 takes two paths: the
+    TCPStore path where TCPStore.barrier exists, the generic path where it does not. The
+    paths count on different keys, so no rank passes a barrier early or returns a sum
+    without the other ranks' values: every rank times out, and says why."""
+    from helpers import run_ranks
+
+    stores = Stores(kind)
+    colls = [make(impl, stores.client(0), 0, 2), _generic_on_tcp(stores.client(1), 1, 2, monkeypatch)]
+    call = {
+        "barrier": lambda c: c.barrier("twopaths", timeout=1.5),
+        "all_gather": lambda c: c.all_gather("twopaths", b"v", timeout=1.5),
+        "all_sum": lambda c: c.all_sum("twopaths", 5, timeout=1.5),
+    }[op]
+
+    def body(rank: int) -> str:
+        try:
+            with pytest.raises(CollectiveTimeoutError) as info:
+                call(colls[rank])
+            return str(info.value)
+        finally:
+            colls[rank].close()
+
+    for text in run_ranks(2, body):
+        assert "ranks arrived on the other store path" in text and "2.12" in text, text
+        assert "\n" not in text

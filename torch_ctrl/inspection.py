@@ -42,7 +42,7 @@ _BATCH = 2048  # keys per check + multi_get
 READ_WAIT = 0.2  # seconds a batch read may wait for a key that was deleted after it was checked
 _KEY = re.compile(r"^(.*?)" + re.escape(K.PROTOCOL) + r"/w(\d+)/([^/]+)/(.+)$")
 _SLOT = re.compile(r"^r(\d+)$")
-_READ_FIELDS = (K.ARRIVE, K.EXIT, K.NAMES, K.LOG)
+_READ_FIELDS = (K.ARRIVE, K.BARRIER, K.EXIT, K.NAMES, K.LOG)
 _AGENTS = "/torch_ctrl/agents/"
 _WORKERS = re.compile(r"^torch_ctrl/run/([^/]+)/(?:round(\d+)|restart(\d+))/$")
 
@@ -180,7 +180,9 @@ def _is_int_payload(value: bytes) -> bool:
 def _classify(world: int, op: _OpKeys, values: dict[str, bytes | None], key_of: Any) -> dict[str, Any] | None:
     """What one op's keys say: ``None`` for a finished op whose keys await cleanup."""
     fields = op.fields
-    counter = _int(values.get(key_of(K.ARRIVE))) if K.ARRIVE in fields else None
+    # The TCPStore path's server-side barrier counts on `b`, the generic path on `n`.
+    count_field = K.BARRIER if K.BARRIER in fields else K.ARRIVE
+    counter = _int(values.get(key_of(count_field))) if count_field in fields else None
     names_raw = values.get(key_of(K.NAMES)) if K.NAMES in fields else None
     blocked = sorted(K.parse_names(names_raw)) if names_raw else []
     blocked = [r for r in blocked if 0 <= r < world]
@@ -198,7 +200,7 @@ def _classify(world: int, op: _OpKeys, values: dict[str, bytes | None], key_of: 
             ("all_sum", ["all_sum", "all_gather"]) if is_sum else ("all_gather", ["all_gather"])
         )
         present = {r for r, _ in frames if 0 <= r < world}
-    elif K.ARRIVE in fields:  # barrier (TCPStore counter, or the generic add/done); all_sum (generic: + total)
+    elif count_field in fields:  # barrier (TCPStore counter, or the generic add/done); all_sum (generic: + total)
         done = values.get(key_of(K.DONE)) if K.DONE in fields else None
         if done is not None and done[:1] == K.TAG_ABORT:
             out["aborted"] = True  # the watcher released the waiters by writing the notice there

@@ -2,9 +2,9 @@
 
 Every store key torch_ctrl writes has the form::
 
-    torch_ctrl/2/w{world_size}/{token}/{field}
+    torch_ctrl/3/w{world_size}/{token}/{field}
 
-* ``2`` is the protocol version (bumped on any incompatible change).
+* ``3`` is the protocol version (bumped on any incompatible change).
 * ``w{world_size}`` separates groups of different sizes sharing one store.
 * ``{token}`` names one collective:
 
@@ -19,7 +19,7 @@ Every store key torch_ctrl writes has the form::
   keys or with each other.
 * ``{field}`` is one of the short names below.
 
-Group-wide keys (abort notice, heartbeats) live under ``torch_ctrl/2/w{world_size}/_``.
+Group-wide keys (abort notice, heartbeats) live under ``torch_ctrl/3/w{world_size}/_``.
 The C++ twin of this module is ``csrc/keys.h``; keep them identical.
 """
 
@@ -29,11 +29,12 @@ import hashlib
 import re
 from collections.abc import Callable
 
-PROTOCOL = "torch_ctrl/2"
+PROTOCOL = "torch_ctrl/3"
 MAX_TOKEN = 160
 
 # Fields of one collective.
-ARRIVE = "n"  # arrival counter (add); native TCPStore barrier counter
+ARRIVE = "n"  # arrival counter of the generic path (add)
+BARRIER = "b"  # counter of the TCPStore path's server-side barrier (never "n": see counter())
 DONE = "d"  # done flag / broadcast payload (tagged value)
 LOG = "g"  # append-only log of frames (all_gather, all_sum)
 NAMES = "a"  # append-only log of "rank," written by ranks blocked past the grace period
@@ -93,13 +94,29 @@ def token(key: str | None, seq: int) -> str:
 
 
 def op_prefix(world_size: int, key: str | None, seq: int) -> str:
-    """``torch_ctrl/2/w{N}/{token}``: the prefix of one collective's keys."""
+    """``torch_ctrl/3/w{N}/{token}``: the prefix of one collective's keys."""
     return f"{group_root(world_size)}/{token(key, seq)}"
 
 
 def field(prefix: str, name: str) -> str:
     """One key of a collective."""
     return f"{prefix}/{name}"
+
+
+def counter(native_barrier: bool) -> str:
+    """The arrival counter of a barrier, all_gather or all_sum: ``b`` on the TCPStore path
+    (the server-side barrier's), ``n`` on the generic path (``add``). Two names, so that ranks
+    of one group that take different paths (torch releases on both sides of 2.12) never count
+    on one counter: they time out saying so (:data:`OTHER_PATH`), where a shared counter would
+    let some of them pass a barrier early or sum without the others' values."""
+    return BARRIER if native_barrier else ARRIVE
+
+
+# The detail of a timeout when a key of the other path shows ranks that took it.
+OTHER_PATH = (
+    "ranks arrived on the other store path: every rank of a group needs a torch with "
+    "TCPStore.barrier (2.12 or newer), or every rank one without"
+)
 
 
 def rank_slot(prefix: str, rank: int) -> str:

@@ -623,6 +623,7 @@ class Lanes:
         else:
             self.owned = isinstance(store, dist.TCPStore)
         self.sliced = tcp and not self.owned
+        self.tcp = tcp  # a TCPStore under any PrefixStores (either path)
         self.polled = isinstance(base, dist.FileStore)
         # The TCPStore path: a TCPStore under any number of PrefixStores, where this torch's
         # TCPStore has a server-side barrier (and, under PrefixStores, list_keys: Python learns

@@ -150,11 +150,11 @@ class PyStoreCollectives(ControlCollectives):
                 if lane.native_barrier:
                     self._check_counter(op, self._until_counted(op, lane))
                     if self._rank == 0:
-                        self._delete_later([op.key(K.ARRIVE)])
+                        self._delete_later([op.key(K.BARRIER)])
                 else:
                     self._exit_later(op, self._world, [K.ARRIVE, K.DONE])
                 return
-            count = lane.add(op.key(K.ARRIVE), 1)
+            count = lane.add(op.key(K.counter(lane.native_barrier)), 1)
             if lane.native_barrier:
                 if count == self._world or self._rank == 0:
                     self._delete_when_full(op)
@@ -342,7 +342,7 @@ class PyStoreCollectives(ControlCollectives):
         """Arrive at the op's barrier and wait for every rank (native or add/done). On the
         add/done barrier the last arriver writes ``publish()`` (or nothing) as the done flag's
         payload, and every rank returns that payload."""
-        counter = op.key(K.ARRIVE)
+        counter = op.key(K.counter(lane.native_barrier))
         log_key = op.key(K.LOG) if op.name in ("all_gather", "all_sum") else None
 
         def wake_native(ln: Lane, notice: bytes) -> None:
@@ -401,7 +401,7 @@ class PyStoreCollectives(ControlCollectives):
                 entries[rank], used = self._untag(op, lane, K.frame_key(log_key, rank), head)
                 garbage += used
         # Every rank has arrived (the counter reads N): its exits take it to 2N.
-        self._exit_later(op, 2 * self._world, [K.LOG], garbage, counter=K.ARRIVE)
+        self._exit_later(op, 2 * self._world, [K.LOG], garbage, counter=K.BARRIER)
         if len(entries) != self._world:
             raise collective_error(
                 op.name,
@@ -505,7 +505,7 @@ class PyStoreCollectives(ControlCollectives):
         arriving with ``block=False`` (a plain ``add``) releases them early: then poll the
         counter until the count is complete, the group is aborted, or the deadline passes.
         """
-        key = op.key(K.ARRIVE)
+        key = op.key(K.BARRIER)
         counter = lane.peek(key)
         if counter is None or self._decode(op, key, K.parse_counter, counter) >= self._world:
             return counter
@@ -526,7 +526,7 @@ class PyStoreCollectives(ControlCollectives):
         group arrived (another group on the same keys: it would pass without waiting)."""
         if counter is None:
             return  # rank 0 deleted it: every rank had arrived
-        count = self._decode(op, op.key(K.ARRIVE), K.parse_counter, counter)
+        count = self._decode(op, op.key(K.BARRIER), K.parse_counter, counter)
         if count >= K.ABORT_BIAS:
             with self._lanes.lane() as lane:
                 notice = lane.peek(self._watcher.abort_key)
@@ -572,6 +572,7 @@ class PyStoreCollectives(ControlCollectives):
         """Count who arrived (O(1) store reads) and name the missing ranks."""
         if op.name in ("broadcast_recv", "scatter_recv"):
             return timeout_error(op.name, op.label, op.seconds, self._world, detail="nothing was sent")
+        arrived: int | None = None  # the barrier's counter, where there is one
         if op.name == "gather_recv" or (op.name == "all_gather" and not lane.native_barrier):
             present = self._present_slots(op, lane)
         elif op.name in ("all_gather", "all_sum") and lane.native_barrier:
@@ -581,14 +582,24 @@ class PyStoreCollectives(ControlCollectives):
             # Each rank appends at most twice (past the grace period, at its timeout).
             names = lane.peek_log(op.key(K.NAMES), 2 * self._world)
             present = K.parse_names(names or b"", self._world)
-            counter = lane.peek(op.key(K.ARRIVE))
+            counter = lane.peek(op.key(K.counter(lane.native_barrier)))
             arrived = K.parse_counter(counter) if counter is not None else len(present)
-            present.add(self._rank)
-            missing = [r for r in range(self._world) if r not in present]
-            return timeout_error(op.name, op.label, op.seconds, self._world, min(arrived, self._world), missing)
         present.add(self._rank)
         missing = [r for r in range(self._world) if r not in present]
-        return timeout_error(op.name, op.label, op.seconds, self._world, len(present), missing)
+        detail = K.OTHER_PATH if self._other_path(op, lane) else ""
+        count = len(present) if arrived is None else min(arrived, self._world)
+        return timeout_error(op.name, op.label, op.seconds, self._world, count, missing, detail)
+
+    def _other_path(self, op: _Op, lane: Lane) -> bool:
+        """Ranks on a torch without TCPStore.barrier take the generic path where this one takes
+        the TCPStore path (or the reverse): their keys, not this path's, show that they came."""
+        if not self._lanes.tcp or op.name == "gather_recv":
+            return False  # only a TCPStore has two paths, and gather has one
+        if not lane.native_barrier:
+            return lane.store.check([op.key(K.BARRIER)])
+        if op.name == "all_gather":
+            return bool(self._present_slots(op, lane))
+        return lane.store.check([op.key(K.ARRIVE)])
 
     def _present_slots(self, op: _Op, lane: Lane) -> set[int]:
         """Ranks whose gather slot exists: one list_keys, or one check per rank as a fallback."""
@@ -646,7 +657,7 @@ class PyStoreCollectives(ControlCollectives):
 
     def _delete_when_full(self, op: _Op) -> None:
         """Non-blocking arrival at a native barrier: delete the counter once everyone arrived."""
-        counter, deadline = op.key(K.ARRIVE), op.deadline
+        counter, deadline = op.key(K.BARRIER), op.deadline
         world = self._world
 
         def task(lane: Lane) -> None:

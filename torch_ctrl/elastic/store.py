@@ -13,7 +13,7 @@ Same functions, signatures and return values as torch's module; what changes:
 
 Key layout: each call runs one collective of a fresh ``StoreCollectives`` on ``store``
 itself, keyed ``{key_prefix}/{op}``, so its keys are
-``torch_ctrl/2/w{world_size}/k{escaped key_prefix/op}/...`` (see ``docs/protocol.md``);
+``torch_ctrl/3/w{world_size}/k{escaped key_prefix/op}/...`` (see ``docs/protocol.md``);
 no PrefixStore is involved, so Python-written stores (which torch's PrefixStore cannot
 delete keys from) are cleaned up too. :func:`get_all` still reads the ``{prefix}{idx}``
 keys its callers set.
