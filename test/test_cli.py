@@ -61,6 +61,21 @@ def test_help_and_version() -> None:
     assert "--standalone starts a single-node job with a 'ctrl' rendezvous on localhost" in text
 
 
+def test_info_prints_the_protocol_and_the_path_ranks_must_agree_on() -> None:
+    """Ranks of one group must speak one protocol and take one path over a TCPStore: `info`
+    prints both, from what this torch has."""
+    from torch_ctrl import keys as K
+
+    out = _run("-m", "torch_ctrl", "info")
+    assert out.returncode == 0, out.stderr
+    yes = {True: "yes", False: "no"}
+    raw, prefix = yes[capabilities.BARRIER], yes[capabilities.BARRIER and capabilities.LIST_KEYS]
+    expected = f"protocol: {K.PROTOCOL}; TCPStore path for barrier, all_gather, all_sum: raw {raw}, "
+    expected += f"under PrefixStores {prefix}"
+    assert expected in out.stdout, out.stdout
+    assert f"backend: {torch_ctrl.backend()}" in out.stdout, out.stdout
+
+
 @pytest.mark.skipif(not capabilities.LIST_KEYS, reason="this torch's TCPStore cannot list its keys")
 def test_inspect_command_json_text_prefix_and_watch() -> None:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

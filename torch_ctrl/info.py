@@ -25,6 +25,7 @@ def collect() -> dict[str, Any]:
     import torch_ctrl
 
     from . import capabilities, loader
+    from . import keys as K
 
     out: dict[str, Any] = {
         "torch_ctrl": torch_ctrl.__version__,
@@ -34,6 +35,12 @@ def collect() -> dict[str, Any]:
         "why_not_cpp": loader.reason() or None,
         "build": loader.build_info(),
         "store_capabilities": capabilities.detected(),
+        "protocol": K.PROTOCOL,
+        # Which path barrier/all_gather/all_sum take over a TCPStore (docs/protocol.md, "The ops").
+        "tcpstore_path": {
+            "raw": capabilities.BARRIER,
+            "prefix": capabilities.BARRIER and capabilities.LIST_KEYS,
+        },
         "extension_capabilities": None,
         "torch_private_store_collectives": capabilities.private_store_collectives() is not None,
         "ctrl_rendezvous": _ctrl_backend(),
@@ -85,6 +92,11 @@ def render(data: dict[str, Any]) -> str:
         + "  (clone: own connections per caller; barrier: TCPStore's server-side barrier; "
         "list_keys: missing ranks named in one call)",
     ]
+    path = data["tcpstore_path"]
+    lines.append(
+        f"protocol: {data['protocol']}; TCPStore path for barrier, all_gather, all_sum: raw {_yes(path['raw'])}, "
+        f"under PrefixStores {_yes(path['prefix'])}  (every rank of a group must print the same line)"
+    )
     if data["extension_capabilities"] is not None:
         ext = data["extension_capabilities"]
         lines.append("extension compiled with: " + ", ".join(f"{name} {_yes(ok)}" for name, ok in ext.items()))
