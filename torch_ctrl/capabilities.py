@@ -26,6 +26,14 @@ def detected() -> dict[str, bool]:
     return {"clone": CLONE, "barrier": BARRIER, "list_keys": LIST_KEYS}
 
 
+def tcpstore_path(chain: bool) -> bool:
+    """Whether barrier, all_gather and all_sum take the TCPStore path over a TCPStore, bare
+    (``chain=False``) or under PrefixStores: the server-side barrier, and under PrefixStores
+    ``list_keys`` (the Python twin learns their prefix with it). Part of the protocol: every
+    rank of a group must answer alike (``csrc/lanes.cpp`` applies the same rule)."""
+    return BARRIER and (not chain or LIST_KEYS)
+
+
 def private_store_collectives() -> type | None:
     """torch's own ``torch.distributed._StoreCollectives`` (torch 2.3 to 2.13), or None."""
     return getattr(dist, "_StoreCollectives", None)

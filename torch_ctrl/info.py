@@ -37,10 +37,7 @@ def collect() -> dict[str, Any]:
         "store_capabilities": capabilities.detected(),
         "protocol": K.PROTOCOL,
         # Which path barrier/all_gather/all_sum take over a TCPStore (docs/protocol.md, "The ops").
-        "tcpstore_path": {
-            "raw": capabilities.BARRIER,
-            "prefix": capabilities.BARRIER and capabilities.LIST_KEYS,
-        },
+        "tcpstore_path": {"raw": capabilities.tcpstore_path(False), "prefix": capabilities.tcpstore_path(True)},
         "extension_capabilities": None,
         "torch_private_store_collectives": capabilities.private_store_collectives() is not None,
         "ctrl_rendezvous": _ctrl_backend(),

@@ -629,7 +629,7 @@ class Lanes:
         # TCPStore has a server-side barrier (and, under PrefixStores, list_keys: Python learns
         # their prefix with it). Both implementations apply this same rule to a given store.
         chain = store is not base
-        self.native_barrier = capabilities.BARRIER and tcp and (not chain or capabilities.LIST_KEYS)
+        self.native_barrier = tcp and capabilities.tcpstore_path(chain)
         try:
             self.extended = bool(store.has_extended_api())
         except Exception:  # noqa: BLE001 - Python stores may not implement it
