@@ -201,6 +201,12 @@ PYBIND11_MODULE(_C, m) {
   caps["barrier"] = torch_ctrl::compat::kBarrier;
   caps["list_keys"] = torch_ctrl::compat::kListKeys;
   m.attr("_capabilities") = caps;
+  // Test hook: instances made while set take the generic path over a TCPStore, as a build
+  // against a torch without TCPStore.barrier does (twin of patching capabilities.BARRIER).
+  // Returns the previous setting.
+  m.def("_emulate_no_server_barrier", [](bool on) {
+    return torch_ctrl::compat::emulate_no_server_barrier.exchange(on);
+  });
   // Test hook: one decoder of csrc/keys.cpp by name, twin of torch_ctrl.keys.decode (fuzzed
   // against it); a DecodeError becomes ValueError with the same message.
   m.def("_decode", [](const std::string& kind, const py::bytes& raw, int world) -> py::object {

@@ -10,6 +10,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <optional>
 #include <stdexcept>
@@ -43,6 +44,16 @@ struct has_list_keys<S, std::void_t<decltype(std::declval<S&>().listKeys())>> : 
 inline constexpr bool kClone = has_clone<c10d::Store>::value;
 inline constexpr bool kBarrier = has_barrier<c10d::Store>::value;
 inline constexpr bool kListKeys = has_list_keys<c10d::Store>::value;
+
+// Test hook (_C._emulate_no_server_barrier): instances made while it is set take the generic
+// path over a TCPStore even where kBarrier holds, as a build against torch 2.6-2.11 does, so
+// a test can run the C++ twin on both sides of the paths' boundary in one process.
+inline std::atomic<bool> emulate_no_server_barrier{false};
+
+// Whether an instance made now may take the TCPStore path (server-side barrier).
+inline bool server_barrier() {
+  return kBarrier && !emulate_no_server_barrier.load();
+}
 
 // store.clone(); only called where kClone holds.
 template <typename S>

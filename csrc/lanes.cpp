@@ -590,7 +590,7 @@ Lanes::Lanes(c10::intrusive_ptr<c10d::Store> store, bool cas, bool deletes)
   // learns their prefix with it). Both implementations apply this same rule to a given store.
   tcp_ = tcp;
   bool chain = base.get() != store_.get();
-  native_barrier_ = compat::kBarrier && tcp && (!chain || compat::kListKeys);
+  native_barrier_ = compat::server_barrier() && tcp && (!chain || compat::kListKeys);
   if (native_barrier_ && chain) {
     prefix_ = base_key(store_, "").second;
   }

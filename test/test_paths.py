@@ -90,12 +90,23 @@ def test_a_mixed_group_under_prefix_stores_takes_one_path(kind: str, op: str) ->
         assert expected <= fields and "g" not in fields, fields
 
 
-def _generic_on_tcp(store: dist.Store, rank: int, world_size: int, monkeypatch: pytest.MonkeyPatch) -> object:
-    """A Python instance that takes the generic path over a TCPStore, as on a torch without
-    TCPStore.barrier (2.6-2.11): the capability is read when the instance is made."""
+def _generic_on_tcp(
+    impl: str, store: dist.Store, rank: int, world_size: int, monkeypatch: pytest.MonkeyPatch
+) -> object:
+    """An instance that takes the generic path over a TCPStore, as on a torch without
+    TCPStore.barrier (2.6-2.11): each twin reads the capability when an instance is made
+    (Python: ``capabilities.BARRIER``; C++: the extension's test hook)."""
     from torch_ctrl import lanes
     from torch_ctrl.store_collectives import PyStoreCollectives
 
+    if impl == "cpp":
+        from torch_ctrl import _C  # type: ignore[attr-defined]
+
+        previous = _C._emulate_no_server_barrier(True)
+        try:
+            return make("cpp", store, rank, world_size)
+        finally:
+            _C._emulate_no_server_barrier(previous)
     with monkeypatch.context() as m:
         m.setattr(lanes.capabilities, "BARRIER", False)
         coll = PyStoreCollectives(store, rank, world_size)
@@ -106,18 +117,21 @@ def _generic_on_tcp(store: dist.Store, rank: int, world_size: int, monkeypatch: 
 @pytest.mark.skipif(not TCP_PATH, reason="this torch takes the generic path on every store")
 @pytest.mark.parametrize("op", ["barrier", "all_gather", "all_sum"])
 @pytest.mark.parametrize("kind", ["tcp", "prefix"])
+@pytest.mark.parametrize("generic", [i for i in IMPLS if i != "mixed"])
 @pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
 def test_ranks_on_both_sides_of_torch_2_12_time_out_naming_the_other_path(
-    impl: str, kind: str, op: str, monkeypatch: pytest.MonkeyPatch
+    impl: str, generic: str, kind: str, op: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A group whose ranks run torch releases on both sides of 2.12 takes two paths: the
     TCPStore path where TCPStore.barrier exists, the generic path where it does not. The
     paths count on different keys, so no rank passes a barrier early or returns a sum
-    without the other ranks' values: every rank times out, and says why."""
+    without the other ranks' values: every rank times out, and says why. Rank 0 (``impl``)
+    takes the TCPStore path, rank 1 (``generic``) the generic path; had either taken the
+    other's path, the op would have completed."""
     from helpers import run_ranks
 
     stores = Stores(kind)
-    colls = [make(impl, stores.client(0), 0, 2), _generic_on_tcp(stores.client(1), 1, 2, monkeypatch)]
+    colls = [make(impl, stores.client(0), 0, 2), _generic_on_tcp(generic, stores.client(1), 1, 2, monkeypatch)]
     call = {
         "barrier": lambda c: c.barrier("twopaths", timeout=1.5),
         "all_gather": lambda c: c.all_gather("twopaths", b"v", timeout=1.5),
