@@ -123,20 +123,22 @@ class Stores:
             libuv = kind != "tcp_nolibuv"
             self.server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, use_libuv=libuv)
             self.port = self.server.port
-        elif kind == "file":
+        elif kind in ("file", "prefix_file"):
             fd, self.path = tempfile.mkstemp(prefix="torch_ctrl_test_")
             os.close(fd)
             os.unlink(self.path)
             self._keep = dist.FileStore(self.path, -1)
         elif kind == "hash":
             self._shared: dist.Store = dist.HashStore()
-        elif kind == "python":
+        elif kind in ("python", "prefix_python"):
             self._shared = DictStore()
         elif kind == "basic":
             self._shared = BasicStore()
         else:
             raise ValueError(kind)
-        self.admin = self.client(-1)
+        # A PrefixStore cannot count a Python store's keys (torch's binding: "pure virtual"), and
+        # num_keys counts every key below any prefix anyway: the admin of prefix_python is the store.
+        self.admin = self._shared if kind == "prefix_python" else self.client(-1)
 
     def client(self, rank: int) -> dist.Store:
         """A store handle for one rank (its own connection where the kind has them). Made one
@@ -153,10 +155,26 @@ class Stores:
             return dist.PrefixStore("a", dist.PrefixStore("b/", dist.TCPStore(HOST, self.port, is_master=False)))
         if self.kind == "file":
             return dist.FileStore(self.path, -1)
+        if self.kind == "prefix_file":  # what init_process_group("file://...") hands out
+            return dist.PrefixStore("job", dist.FileStore(self.path, -1))
+        if self.kind == "prefix_python":  # the workers' namespace over a Python store (EtcdStore)
+            return dist.PrefixStore("job", self._shared)
         return self._shared
 
 
-STORE_KINDS = ["tcp", "tcp_nolibuv", "file", "hash", "prefix", "prefix_nested", "python", "basic"]
+# prefix_file and prefix_python: PrefixStores over the generic-path stores users get them as.
+STORE_KINDS = [
+    "tcp",
+    "tcp_nolibuv",
+    "file",
+    "hash",
+    "prefix",
+    "prefix_nested",
+    "python",
+    "basic",
+    "prefix_file",
+    "prefix_python",
+]
 IMPLS = ["cpp", "python", "mixed"] if CppStoreCollectives is not None else ["python"]
 
 

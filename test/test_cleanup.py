@@ -51,7 +51,7 @@ def test_store_bounded_over_rounds(impl: str, keyed: bool) -> None:
     assert stores.admin.num_keys() <= 2, stores.server.list_keys()
 
 
-@pytest.mark.parametrize("kind", ["hash", "file", "python", "prefix"])
+@pytest.mark.parametrize("kind", ["hash", "file", "python", "prefix", "prefix_file", "prefix_python"])
 def test_every_store_kind_is_cleaned(impl: str, kind: str) -> None:
     stores = Stores(kind)
     before = stores.admin.num_keys()

@@ -516,9 +516,3 @@ def to_seconds(timeout: object, name: str = "timeout", clamp: bool = True) -> fl
     if secs != secs or secs < 0:
         raise ValueError(f"{name} must be >= 0, got {timeout!r}")
     return min(secs, MAX_TIMEOUT) if clamp else secs
-
-
-def wrap_int64(value: int) -> int:
-    """Two's-complement wrap to signed 64 bits."""
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value

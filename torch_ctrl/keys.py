@@ -201,6 +201,12 @@ class DecodeError(ValueError):
     """A value read from the store that torch_ctrl could not have written; the message says what."""
 
 
+def wrap_int64(value: int) -> int:
+    """Two's-complement wrap to signed 64 bits: how every all_sum total wraps."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def _int64(text: bytes) -> int | None:
     if _INT64.fullmatch(text):
         value = int(text)

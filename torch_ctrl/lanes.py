@@ -399,7 +399,18 @@ class Lane:
         self.store.set(key, value)
 
     def add(self, key: str, value: int) -> int:
-        return int(self.store.add(key, value))
+        try:
+            return int(self.store.add(key, value))
+        except RuntimeError as exc:
+            # A Python-written store (torch's EtcdStore) under PrefixStores keeps an unbounded
+            # int: the add was made, but torch's binding cannot hand a result past int64 back
+            # through the PrefixStore. Read it again from the Python store itself, wrapped at
+            # 64 bits (the C++ twin's Lane::add does the same). Only running totals get there.
+            if "Unable to cast Python instance" not in str(exc) or self.store is base_store(self.store):
+                raise
+            if self._prefix is None:
+                self._prefix = key_prefix(self.store)
+            return K.wrap_int64(int(base_store(self.store).add(self._prefix + key, 0)))
 
     def delete(self, key: str) -> None:
         if not self.deletes:

@@ -33,7 +33,6 @@ from .base import (
     to_int64,
     to_seconds,
     unreachable,
-    wrap_int64,
 )
 from .errors import (
     CollectiveError,
@@ -241,7 +240,7 @@ class PyStoreCollectives(ControlCollectives):
             return self._sum_counted(op, value)
         entries = self._exchange(op, b"%d" % value)
         try:
-            return wrap_int64(sum(int(v) for v in entries.values()))
+            return K.wrap_int64(sum(int(v) for v in entries.values()))
         except ValueError:
             raise collective_error(
                 op.name, op.label, "unexpected value in the store (not written by torch_ctrl?)"
@@ -334,7 +333,7 @@ class PyStoreCollectives(ControlCollectives):
                 lane.add(total_key, value)
             except Exception as exc:
                 raise self._failure(op, exc) from None
-            done = self._arrive(op, lane, lambda: b"%d" % wrap_int64(lane.add(total_key, 0)))
+            done = self._arrive(op, lane, lambda: b"%d" % K.wrap_int64(lane.add(total_key, 0)))
         self._exit_later(op, self._world, [K.ARRIVE, K.SUM, K.DONE])
         return K.parse_total(done, lambda: collective_error(op.name, op.label, K.BAD_VALUE))
 
