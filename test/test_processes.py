@@ -21,7 +21,12 @@ def _rank_main(store_spec: tuple, impl: str, rank: int, queue) -> None:  # noqa:
     from helpers import make
 
     kind, arg = store_spec
-    store = dist.FileStore(arg, -1) if kind == "file" else dist.TCPStore("127.0.0.1", arg, is_master=False)
+    if kind in ("file", "prefix_file"):
+        store = dist.FileStore(arg, -1)
+    else:
+        store = dist.TCPStore("127.0.0.1", arg, is_master=False)
+    if kind == "prefix_file":  # what init_process_group("file://...") hands out
+        store = dist.PrefixStore("default_pg", store)
     try:
         coll = make(impl, store, rank, WORLD)
         coll.barrier("start", 60)
@@ -46,15 +51,15 @@ def _rank_main(store_spec: tuple, impl: str, rank: int, queue) -> None:  # noqa:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind", ["file", "tcp"])
+@pytest.mark.parametrize("kind", ["file", "prefix_file", "tcp"])
 def test_separate_processes(impl: str, kind: str) -> None:
     ctx = mp.get_context("spawn")
     server = None
-    if kind == "file":
+    if kind in ("file", "prefix_file"):
         fd, path = tempfile.mkstemp()
         os.close(fd)
         os.unlink(path)
-        spec = ("file", path)
+        spec = (kind, path)
     else:
         server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         spec = ("tcp", server.port)
