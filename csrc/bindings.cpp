@@ -240,6 +240,21 @@ PYBIND11_MODULE(_C, m) {
         }
         return out;
       }
+      if (kind == "world_sizes") {  // data: the token, then one key name per line
+        std::vector<std::string> lines;
+        size_t pos = 0;
+        for (size_t nl; (nl = data.find('\n', pos)) != std::string::npos; pos = nl + 1) {
+          lines.push_back(data.substr(pos, nl - pos));
+        }
+        lines.push_back(data.substr(pos));
+        std::string token = lines.front();
+        lines.erase(lines.begin());
+        py::list out;
+        for (int size : K::other_world_sizes(lines, world, token)) {
+          out.append(size);
+        }
+        return out;
+      }
       if (kind == "chunk_sizes") {
         std::vector<std::string> parts;
         std::istringstream in(data);

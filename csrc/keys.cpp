@@ -307,4 +307,25 @@ std::set<int> parse_names(const std::string& log, int world_size) {
   return out;
 }
 
+std::set<int> other_world_sizes(const std::vector<std::string>& names, int world_size, const std::string& token) {
+  const std::string head = kProtocol + "/w";
+  std::set<int> found;
+  for (const auto& name : names) {
+    if (name.compare(0, head.size(), head) != 0) {
+      continue;
+    }
+    size_t slash = name.find('/', head.size());
+    if (slash == std::string::npos || name.compare(slash + 1, token.size() + 1, token + "/") != 0) {
+      continue;
+    }
+    const char* begin = name.data() + head.size();
+    const char* end = name.data() + slash;
+    auto size = begin != end && all_digits(begin, end) ? int64_of(begin, end) : std::nullopt;
+    if (size && *size >= 1 && *size < (int64_t{1} << 31) && *size != world_size) {
+      found.insert(static_cast<int>(*size));
+    }
+  }
+  return found;
+}
+
 } // namespace torch_ctrl::keys

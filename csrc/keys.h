@@ -33,6 +33,11 @@ inline const std::string& counter(bool native_barrier) {
 inline const std::string kOtherPath =
     "ranks arrived on the other store path: every rank of a group needs a torch with "
     "TCPStore.barrier (2.12 or newer), or every rank one without";
+// The detail of a timeout when keys of the same op exist under other world sizes (twin of
+// keys.OTHER_WORLD_SIZES; "{sizes}" is replaced by "3" or "3, 4").
+inline const std::string kOtherWorldSizes =
+    "this op's key is also in use by ranks given world_size {sizes}: every rank of a group "
+    "must pass the same world_size";
 
 // Value tags: first byte of every single-value key (and of every log frame's payload).
 constexpr char kTagData = 'D';  // "D" + payload
@@ -103,6 +108,10 @@ struct FrameSpan {
 std::vector<FrameSpan> frame_spans(const std::string& log, int world_size = -1);
 std::vector<std::pair<int, std::string>> parse_frames(const std::string& log, int world_size = -1);
 std::set<int> parse_names(const std::string& log, int world_size = -1);
+// The world sizes, other than world_size, of groups with keys of the collective `token` among
+// `names` (a store's listKeys, relative to the group's namespace): "torch_ctrl/3/w{M}/{token}/...",
+// M a decimal in 1 <= M < 2^31. Other names are ignored (the store may hold anything).
+std::set<int> other_world_sizes(const std::vector<std::string>& names, int world_size, const std::string& token);
 // A published all_sum total: a decimal int64; nullopt otherwise.
 std::optional<int64_t> parse_total(const std::string& value);
 

@@ -652,7 +652,9 @@ void StoreCollectives::failure(const Op& op, const std::exception& exc) {
 
 void StoreCollectives::timeout(const Op& op, Lane& lane) {
   if (op.name == "broadcast_recv" || op.name == "scatter_recv") {
-    throw CollectiveTimeout(op.name, op.label, op.seconds, world_, std::nullopt, {}, "nothing was sent");
+    std::string sizes = rank_ <= 1 ? other_world_sizes(op, lane) : "";  // the lowest receiver
+    std::string detail = "nothing was sent" + (sizes.empty() ? "" : "; " + sizes);
+    throw CollectiveTimeout(op.name, op.label, op.seconds, world_, std::nullopt, {}, detail);
   }
   std::set<int> present;
   std::optional<int> arrived;
@@ -683,8 +685,29 @@ void StoreCollectives::timeout(const Op& op, Lane& lane) {
       missing.push_back(r);
     }
   }
-  throw CollectiveTimeout(
-      op.name, op.label, op.seconds, world_, arrived, missing, other_path(op, lane) ? K::kOtherPath : "");
+  std::string detail = other_path(op, lane) ? K::kOtherPath : "";
+  std::string sizes = *present.begin() == rank_ ? other_world_sizes(op, lane) : "";
+  detail += (detail.empty() || sizes.empty() ? "" : "; ") + sizes;
+  throw CollectiveTimeout(op.name, op.label, op.seconds, world_, arrived, missing, detail);
+}
+
+std::string StoreCollectives::other_world_sizes(const Op& op, Lane& lane) {
+  // Name the world sizes of ranks that used this op's key in a group of another size (a rank
+  // given the wrong world_size waits in a group of its own): one listKeys, where the store has
+  // it; nothing elsewhere. Called by one rank per group and op (the lowest that arrived; the
+  // lowest receiver), so that a timeout on thousands of ranks does not send the store's whole
+  // key list to each of them.
+  auto names = lane.list_keys().value_or(std::vector<std::string>{});
+  auto sizes = K::other_world_sizes(names, world_, op.prefix.substr(op.prefix.rfind('/') + 1));
+  if (sizes.empty()) {
+    return "";
+  }
+  std::string joined;
+  for (int size : sizes) {
+    joined += (joined.empty() ? "" : ", ") + std::to_string(size);
+  }
+  std::string text = K::kOtherWorldSizes;
+  return text.replace(text.find("{sizes}"), 7, joined);
 }
 
 bool StoreCollectives::other_path(const Op& op, Lane& lane) {

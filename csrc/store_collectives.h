@@ -118,6 +118,7 @@ class StoreCollectives {
   [[noreturn]] void timeout(const Op& op, Lane& lane);
   std::set<int> present_slots(const Op& op, Lane& lane);
   bool other_path(const Op& op, Lane& lane);
+  std::string other_world_sizes(const Op& op, Lane& lane);
 
   void delete_later(std::vector<std::string> keys);
   void exit_later(

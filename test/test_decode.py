@@ -20,7 +20,7 @@ from torch_ctrl import keys as K
 from torch_ctrl.errors import CollectiveError
 
 HAVE_CPP = torch_ctrl.backend() == "cpp"
-KINDS = ["chunks", "counter", "total", "frames", "names"]
+KINDS = ["chunks", "counter", "total", "frames", "names", "world_sizes"]
 
 
 def _outcome(fn, *args):  # noqa: ANN001, ANN202
@@ -75,6 +75,40 @@ def test_twins_decode_logs_alike(frames: list[tuple[int, bytes]], world: int, ta
 @settings(max_examples=60, deadline=None)
 def test_twins_check_chunk_sizes_alike(sizes: list[int]) -> None:
     _both("chunk_sizes", " ".join(map(str, sizes)).encode(), 0)
+
+
+# Key names as a store lists them: torch_ctrl's own (of several world sizes, tokens and fields),
+# torn or altered ones, and anything else a store may hold.
+_NAME_PIECES = st.sampled_from(
+    [K.PROTOCOL.encode() + b"/w", b"3", b"2", b"0", b"-1", b"007", b"2147483648", b"99999999999999999999"]
+    + [b"/", b"kx", b"kx/", b"kxy/", b"s0/", b"b", b"r1", b"w", b"torch_ctrl/2/w", b"job/", b"\xff"]
+)
+_NAME = st.lists(st.one_of(_NAME_PIECES, st.binary(max_size=2)), max_size=8).map(b"".join)
+
+
+@pytest.mark.skipif(not HAVE_CPP, reason="needs the C++ extension")
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([b"kx", b"s0"]), st.lists(_NAME.filter(lambda n: b"\n" not in n), max_size=6), st.integers(1, 8))
+def test_twins_find_other_world_sizes_alike(token: bytes, names: list[bytes], world: int) -> None:
+    _both("world_sizes", b"\n".join([token, *names]), world)
+
+
+def test_other_world_sizes_reads_only_this_ops_keys() -> None:
+    names = [
+        f"{K.PROTOCOL}/w3/kx/b",  # the same op, world_size 3
+        f"{K.PROTOCOL}/w4/kx/r1",  # and 4
+        f"{K.PROTOCOL}/w2/kx/b",  # this group's own
+        f"{K.PROTOCOL}/w5/kxy/b",  # another op
+        f"{K.PROTOCOL}/w6/kx",  # no field: not a key torch_ctrl writes
+        f"job/{K.PROTOCOL}/w7/kx/b",  # another namespace (a raw store lists every PrefixStore's keys)
+        "torch_ctrl/2/w8/kx/b",  # another protocol version
+        f"{K.PROTOCOL}/w0/kx/b",
+        f"{K.PROTOCOL}/w-3/kx/b",
+        f"{K.PROTOCOL}/w2147483648/kx/b",
+    ]
+    assert K.other_world_sizes(names, 2, "kx") == [3, 4]
+    if HAVE_CPP:
+        _both("world_sizes", "\n".join(["kx", *names]).encode(), 2)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from helpers import CppStoreCollectives, DictStore, Stores, make, run_ranks
 
 import torch_ctrl
 from torch_ctrl import CollectiveTimeoutError, KeyReusedError
+from torch_ctrl import keys as K
 
 
 def test_timeout_error_is_dist_store_error() -> None:
@@ -199,6 +200,71 @@ def test_rooted_receive_timeout_says_nothing_sent(impl: str, op: str) -> None:
     text = _one_line(info.value)
     assert text == f"{op} 'never' timed out after 0.3s: nothing was sent"
     coll.close()
+
+
+@pytest.mark.skipif(not torch_ctrl.capabilities.LIST_KEYS, reason="this torch's stores cannot list keys")
+@pytest.mark.parametrize("op", ["barrier", "all_gather", "all_sum", "gather", "broadcast"])
+@pytest.mark.parametrize("kind", ["tcp", "prefix", "hash"])
+def test_a_rank_given_another_world_size_is_named(impl: str, kind: str, op: str) -> None:
+    """A rank given the wrong world_size waits in a group of its own: the timeout says which
+    world sizes used the op's key, instead of only calling the rank missing."""
+    stores = Stores(kind)
+    worlds = [2, 3]  # rank 0 is told the group has 2 ranks, rank 1 that it has 3
+
+    def body(rank: int) -> str | None:
+        coll = make(impl, stores.client(rank), rank, worlds[rank])
+        try:
+            if op == "gather" and rank == 1:
+                return coll.gather_send("ws", b"v", timeout=1.0)  # returns: a send waits for nobody
+            if op == "broadcast" and rank == 0:
+                return coll.broadcast_send("ws", b"v", timeout=1.0)
+            with pytest.raises(CollectiveTimeoutError) as info:
+                if op == "barrier":
+                    coll.barrier("ws", timeout=1.0)
+                elif op == "all_gather":
+                    coll.all_gather("ws", b"v", timeout=1.0)
+                elif op == "all_sum":
+                    coll.all_sum("ws", 1, timeout=1.0)
+                elif op == "gather":
+                    coll.gather_recv("ws", b"v", timeout=1.0)
+                else:
+                    coll.broadcast_recv("ws", timeout=1.0)
+            return _one_line(info.value)
+        finally:
+            coll.close()
+
+    texts = run_ranks(2, body)
+    hint = K.OTHER_WORLD_SIZES.replace("{sizes}", "{}")
+    if op in ("barrier", "all_gather", "all_sum"):
+        assert texts[0].endswith("missing ranks: [1]; " + hint.format(3)), texts[0]
+        assert texts[1].endswith("missing ranks: [0, 2]; " + hint.format(2)), texts[1]
+    elif op == "gather":
+        assert texts[0].endswith("1/2 ranks arrived; missing ranks: [1]; " + hint.format(3)), texts[0]
+    else:
+        assert texts[1] == "broadcast_recv 'ws' timed out after 1s: nothing was sent; " + hint.format(2)
+
+
+@pytest.mark.skipif(not torch_ctrl.capabilities.LIST_KEYS, reason="this torch's stores cannot list keys")
+def test_one_rank_per_group_lists_the_keys(impl: str) -> None:
+    """Ranks 0 and 1 are told the group has 3 ranks, rank 2 that it has 4: the lowest rank that
+    arrived in each group (0 and 2) lists the store's keys and names the other size; rank 1
+    does not list them (thousands of ranks timing out must not each read the whole key list)."""
+    stores = Stores("tcp")
+    worlds = [3, 3, 4]
+
+    def body(rank: int) -> str:
+        coll = make(impl, stores.client(rank), rank, worlds[rank])
+        try:
+            with pytest.raises(CollectiveTimeoutError) as info:
+                coll.barrier("ws3", timeout=1.0)
+            return _one_line(info.value)
+        finally:
+            coll.close()
+
+    texts = run_ranks(3, body)
+    assert texts[0].endswith("2/3 ranks arrived; missing ranks: [2]; " + K.OTHER_WORLD_SIZES.format(sizes="4")), texts
+    assert texts[1].endswith("2/3 ranks arrived; missing ranks: [2]"), texts
+    assert texts[2].endswith("missing ranks: [0, 1, 3]; " + K.OTHER_WORLD_SIZES.format(sizes="3")), texts
 
 
 def test_auto_key_label_in_errors(impl: str) -> None:

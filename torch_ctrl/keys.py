@@ -118,6 +118,13 @@ OTHER_PATH = (
     "TCPStore.barrier (2.12 or newer), or every rank one without"
 )
 
+# The detail of a timeout when keys of the same op exist under other world sizes (a rank given
+# the wrong world_size joins a group of its own): {sizes} is "3" or "3, 4".
+OTHER_WORLD_SIZES = (
+    "this op's key is also in use by ranks given world_size {sizes}: every rank of a group "
+    "must pass the same world_size"
+)
+
 
 def rank_slot(prefix: str, rank: int) -> str:
     """Per-rank slot of a collective (gather, scatter): ``{prefix}/r{rank}``."""
@@ -288,9 +295,29 @@ def parse_names(log: bytes, world_size: int | None = None) -> set[int]:
     return out
 
 
+def other_world_sizes(names: list[str], world_size: int, token: str) -> list[int]:
+    """The world sizes, other than ``world_size``, of groups with keys of the collective
+    ``token`` among ``names`` (a store's ``list_keys``, relative to the group's namespace):
+    ``torch_ctrl/3/w{M}/{token}/...``, ``M`` a decimal in ``1 <= M < 2**31``. Names that do
+    not have that form are ignored (the store may hold anything)."""
+    head = PROTOCOL + "/w"
+    found = set()
+    for name in names:
+        if not name.startswith(head):
+            continue
+        slash = name.find("/", len(head))
+        digits = name[len(head) : slash]
+        if slash < 0 or not name.startswith(token + "/", slash + 1):
+            continue
+        size = _int64(digits.encode("latin-1")) if digits.isascii() and digits.isdigit() else None
+        if size is not None and 1 <= size < 1 << 31 and size != world_size:
+            found.add(size)
+    return sorted(found)
+
+
 def decode(kind: str, data: bytes, world_size: int) -> object:
     """One decoder by name, for the twin fuzz tests: ``chunks``, ``counter``, ``total``,
-    ``frames`` or ``names``; raises DecodeError like the decoder itself."""
+    ``frames``, ``names`` or ``world_sizes``; raises DecodeError like the decoder itself."""
     if kind == "chunks":
         return chunk_count(data)
     if kind == "counter":
@@ -304,4 +331,7 @@ def decode(kind: str, data: bytes, world_size: int) -> object:
         return parse_frames(data, world_size)
     if kind == "names":
         return sorted(parse_names(data, world_size))
+    if kind == "world_sizes":  # data: the token, then one key name per line
+        token_, *names = data.decode("latin-1").split("\n")
+        return other_world_sizes(names, world_size, token_)
     raise ValueError(f"unknown decoder {kind!r}")

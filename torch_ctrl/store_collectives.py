@@ -570,7 +570,9 @@ class PyStoreCollectives(ControlCollectives):
     def _timeout(self, op: _Op, lane: Lane) -> Exception:
         """Count who arrived (O(1) store reads) and name the missing ranks."""
         if op.name in ("broadcast_recv", "scatter_recv"):
-            return timeout_error(op.name, op.label, op.seconds, self._world, detail="nothing was sent")
+            sizes = self._other_world_sizes(op, lane) if self._rank <= 1 else ""  # the lowest receiver
+            detail = "; ".join(filter(None, ["nothing was sent", sizes]))
+            return timeout_error(op.name, op.label, op.seconds, self._world, detail=detail)
         arrived: int | None = None  # the barrier's counter, where there is one
         if op.name == "gather_recv" or (op.name == "all_gather" and not lane.native_barrier):
             present = self._present_slots(op, lane)
@@ -585,7 +587,9 @@ class PyStoreCollectives(ControlCollectives):
             arrived = K.parse_counter(counter) if counter is not None else len(present)
         present.add(self._rank)
         missing = [r for r in range(self._world) if r not in present]
-        detail = K.OTHER_PATH if self._other_path(op, lane) else ""
+        other_path = K.OTHER_PATH if self._other_path(op, lane) else ""
+        sizes = self._other_world_sizes(op, lane) if min(present) == self._rank else ""
+        detail = "; ".join(filter(None, [other_path, sizes]))
         count = len(present) if arrived is None else min(arrived, self._world)
         return timeout_error(op.name, op.label, op.seconds, self._world, count, missing, detail)
 
@@ -599,6 +603,16 @@ class PyStoreCollectives(ControlCollectives):
         if op.name == "all_gather":
             return bool(self._present_slots(op, lane))
         return lane.store.check([op.key(K.ARRIVE)])
+
+    def _other_world_sizes(self, op: _Op, lane: Lane) -> str:
+        """Name the world sizes of ranks that used this op's key in a group of another size (a
+        rank given the wrong world_size waits in a group of its own): one ``list_keys``, where
+        the store has it; nothing elsewhere. Called by one rank per group and op (the lowest
+        that arrived; the lowest receiver), so that a timeout on thousands of ranks does not
+        send the store's whole key list to each of them."""
+        names = lane.list_keys()
+        sizes = K.other_world_sizes(names or [], self._world, op.prefix.rsplit("/", 1)[1])
+        return K.OTHER_WORLD_SIZES.format(sizes=", ".join(map(str, sizes))) if sizes else ""
 
     def _present_slots(self, op: _Op, lane: Lane) -> set[int]:
         """Ranks whose gather slot exists: one list_keys, or one check per rank as a fallback."""
