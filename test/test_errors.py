@@ -209,6 +209,10 @@ def test_a_rank_given_another_world_size_is_named(impl: str, kind: str, op: str)
     """A rank given the wrong world_size waits in a group of its own: the timeout says which
     world sizes used the op's key, instead of only calling the rank missing."""
     stores = Stores(kind)
+    try:
+        stores.admin.list_keys()
+    except RuntimeError:
+        pytest.skip(f"this torch's {kind} store cannot list keys")
     worlds = [2, 3]  # rank 0 is told the group has 2 ranks, rank 1 that it has 3
 
     def body(rank: int) -> str | None:
