@@ -121,6 +121,41 @@ def check_stuck(report: dict[str, Any]) -> None:
 
 @needs_list_keys
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+def test_ranks_given_different_world_sizes_are_pointed_out(kind: str) -> None:
+    """Ranks 0 and 1 told the group has 2 ranks, rank 2 told 3: two groups, each stuck in
+    barrier 'ws'. The report marks the op in each group with the other's size."""
+    stores = Stores(kind)
+    worlds = [2, 2, 3]
+    colls = [StoreCollectives(stores.client(r), r if r < 2 else 2, worlds[r]) for r in range(3)]
+    colls[1].close()  # rank 1 of the group of 2 never comes: both groups stay stuck
+    threads = [threading.Thread(target=block, args=(colls[r], r, "barrier")) for r in (0, 2)]
+    for t in threads:
+        t.start()
+    try:
+
+        def both_in_flight() -> dict[str, Any] | None:
+            report = torch_ctrl.inspect(stores.admin, interval=0, timeout=30)
+            return report if sum(len(g["in_flight"]) for g in report["groups"]) == 2 else None
+
+        report = poll(both_in_flight, what="both groups in flight")
+        sizes = {g["world_size"]: g["in_flight"][0].get("other_world_sizes") for g in report["groups"]}
+        assert sizes == {2: [3], 3: [2]}, report["groups"]
+        text = render(report)
+        assert "also in flight with world_size 3: ranks given different world sizes?" in text, text
+        assert "also in flight with world_size 2: ranks given different world sizes?" in text, text
+    finally:
+        colls[0].abort("test over")
+        colls[2].abort("test over")
+        for t in threads:
+            t.join(30)
+        for c in colls:
+            c.close()
+    assert not any(t.is_alive() for t in threads)
+
+
+@needs_list_keys
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", ["tcp", "tcp_nolibuv", "prefix"])
 def test_threads_stuck_in_every_collective_then_aborted(kind: str) -> None:
     stores = Stores(kind)

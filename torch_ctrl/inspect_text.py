@@ -53,6 +53,9 @@ def _op_line(op: dict[str, Any]) -> str:
         parts.append(text)
     if op.get("slots"):
         parts.append(f"slots: {format_ranks(op['slots'])}")
+    if op.get("other_world_sizes"):
+        sizes = ", ".join(map(str, op["other_world_sizes"]))
+        parts.append(f"also in flight with world_size {sizes}: ranks given different world sizes?")
     pending = f"seen pending {_secs(op['pending_s'])}"
     if op["pending_s"] > 0:
         pending += (

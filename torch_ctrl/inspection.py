@@ -468,6 +468,7 @@ class Inspector:
         report["torch_ctrl_keys"] = sum(1 for k in keys if _KEY.match(k))
         for _, g in sorted(groups.items()):
             report["groups"].append(self._group(g, values, now))
+        _mark_other_world_sizes(report["groups"])
         for run_id, run in sorted(runs.items()):
             report["torchrun"].append(self._run(run_id, run, values, report))
 
@@ -652,6 +653,21 @@ class Inspector:
             except Exception as exc:  # noqa: BLE001 - try the next address
                 errors.append(f"{address}: {_one_line(exc)}")
         return "cannot connect to the workers' store (" + "; ".join(errors) + ")"
+
+
+def _mark_other_world_sizes(groups: list[dict[str, Any]]) -> None:
+    """An op key in flight in groups of different sizes under one prefix of one store: ranks
+    given different world sizes (each waits in a group of its own), or two groups reusing a
+    key. Each such op gets ``other_world_sizes``, the sizes of the other groups."""
+    sizes: dict[tuple[Any, str, str], set[int]] = {}
+    for g in groups:
+        for op in g["in_flight"]:
+            sizes.setdefault((g["store"], g["prefix"], op["token"]), set()).add(g["world_size"])
+    for g in groups:
+        for op in g["in_flight"]:
+            others = sorted(sizes[(g["store"], g["prefix"], op["token"])] - {g["world_size"]})
+            if others:
+                op["other_world_sizes"] = others
 
 
 def _one_line(exc: BaseException) -> str:
