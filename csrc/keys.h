@@ -83,7 +83,8 @@ std::string frame(int rank, const std::string& payload);
 constexpr size_t kMaxChunks = 4096;  // a chunked payload is at most kMaxChunks * kChunk bytes
 inline const std::string kBadValue = "unexpected value in the store (not written by torch_ctrl?)";
 inline const std::string kCollision =
-    "another group uses the same store and keys (give each group its own PrefixStore)";
+    "another group uses the same store and keys, or two processes were given the same rank "
+    "(give each group its own PrefixStore, and each process its own rank)";
 
 // A value read from the store that torch_ctrl could not have written; what() says what.
 struct DecodeError : std::runtime_error {

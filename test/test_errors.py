@@ -271,6 +271,30 @@ def test_one_rank_per_group_lists_the_keys(impl: str) -> None:
     assert texts[2].endswith("missing ranks: [0, 1, 3]; " + K.OTHER_WORLD_SIZES.format(sizes="3")), texts
 
 
+@pytest.mark.skipif(not torch_ctrl.capabilities.tcpstore_path(True), reason="the generic path cannot tell")
+@pytest.mark.parametrize("op", ["all_gather", "all_sum"])
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+def test_two_processes_given_one_rank_are_told_so(impl: str, kind: str, op: str) -> None:
+    """Two of three ranks were given rank 0: on the TCPStore path the op's log holds two frames
+    of rank 0, and every rank's error says what may have happened."""
+    stores = Stores(kind)
+
+    def body(i: int) -> str:
+        coll = make(impl, stores.client(i), 0 if i < 2 else 2, 3)  # rank 1 never comes
+        try:
+            with pytest.raises(torch_ctrl.CollectiveError) as info:
+                if op == "all_gather":
+                    coll.all_gather("dup", b"v", timeout=30)
+                else:
+                    coll.all_sum("dup", 1, timeout=30)
+            return _one_line(info.value)
+        finally:
+            coll.close()
+
+    for text in run_ranks(3, body):
+        assert "two frames of rank 0" in text and "two processes were given the same rank" in text, text
+
+
 def test_auto_key_label_in_errors(impl: str) -> None:
     stores = Stores("hash")
     coll = make(impl, stores.client(0), 0, 2)

@@ -197,7 +197,10 @@ def frame(rank: int, payload: bytes) -> bytes:
 
 MAX_CHUNKS = 4096  # a chunked payload is at most MAX_CHUNKS * CHUNK bytes (16 GiB)
 BAD_VALUE = "unexpected value in the store (not written by torch_ctrl?)"
-COLLISION = "another group uses the same store and keys (give each group its own PrefixStore)"
+COLLISION = (
+    "another group uses the same store and keys, or two processes were given the same rank "
+    "(give each group its own PrefixStore, and each process its own rank)"
+)
 _INT64 = re.compile(rb"-?[0-9]{1,19}")
 _SIZE = re.compile(rb"[0-9]{1,20}")
 # A log frame's head, b"{rank}:{size}:": what _INT64 and _SIZE accept, each up to its colon.
