@@ -204,7 +204,7 @@ def test_rooted_receive_timeout_says_nothing_sent(impl: str, op: str) -> None:
 
 @pytest.mark.skipif(not torch_ctrl.capabilities.LIST_KEYS, reason="this torch's stores cannot list keys")
 @pytest.mark.parametrize("op", ["barrier", "all_gather", "all_sum", "gather", "broadcast"])
-@pytest.mark.parametrize("kind", ["tcp", "prefix", "hash"])
+@pytest.mark.parametrize("kind", ["tcp", "prefix", "hash", "file", "prefix_file"])
 def test_a_rank_given_another_world_size_is_named(impl: str, kind: str, op: str) -> None:
     """A rank given the wrong world_size waits in a group of its own: the timeout says which
     world sizes used the op's key, instead of only calling the rank missing."""
