@@ -686,7 +686,8 @@ void StoreCollectives::timeout(const Op& op, Lane& lane) {
     }
   }
   std::string detail = other_path(op, lane) ? K::kOtherPath : "";
-  std::string sizes = *present.begin() == rank_ ? other_world_sizes(op, lane) : "";
+  bool lister = op.name == "gather_recv" || *present.begin() == rank_;  // a gather's root waits alone
+  std::string sizes = lister ? other_world_sizes(op, lane) : "";
   detail += (detail.empty() || sizes.empty() ? "" : "; ") + sizes;
   throw CollectiveTimeout(op.name, op.label, op.seconds, world_, arrived, missing, detail);
 }

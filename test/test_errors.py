@@ -249,6 +249,28 @@ def test_a_rank_given_another_world_size_is_named(impl: str, kind: str, op: str)
 
 
 @pytest.mark.skipif(not torch_ctrl.capabilities.LIST_KEYS, reason="this torch's stores cannot list keys")
+def test_a_gather_root_names_a_sender_given_another_world_size(impl: str) -> None:
+    """The root (rank 2 of 3) waits alone, with rank 0's slot there: it lists the keys though
+    it is not the lowest rank that arrived, and names the world size rank 1 was given."""
+    stores = Stores("tcp")
+    ranks, worlds = [2, 0, 1], [3, 3, 4]
+
+    def body(i: int) -> str | None:
+        coll = make(impl, stores.client(i), ranks[i], worlds[i])
+        try:
+            if i > 0:
+                return coll.gather_send("wsg", b"v", timeout=1.0)
+            with pytest.raises(CollectiveTimeoutError) as info:
+                coll.gather_recv("wsg", b"v", timeout=1.0)
+            return _one_line(info.value)
+        finally:
+            coll.close()
+
+    text = run_ranks(3, body)[0]
+    assert text.endswith("2/3 ranks arrived; missing ranks: [1]; " + K.OTHER_WORLD_SIZES.format(sizes="4")), text
+
+
+@pytest.mark.skipif(not torch_ctrl.capabilities.LIST_KEYS, reason="this torch's stores cannot list keys")
 def test_one_rank_per_group_lists_the_keys(impl: str) -> None:
     """Ranks 0 and 1 are told the group has 3 ranks, rank 2 that it has 4: the lowest rank that
     arrived in each group (0 and 2) lists the store's keys and names the other size; rank 1

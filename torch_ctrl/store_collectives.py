@@ -588,7 +588,8 @@ class PyStoreCollectives(ControlCollectives):
         present.add(self._rank)
         missing = [r for r in range(self._world) if r not in present]
         other_path = K.OTHER_PATH if self._other_path(op, lane) else ""
-        sizes = self._other_world_sizes(op, lane) if min(present) == self._rank else ""
+        lister = op.name == "gather_recv" or min(present) == self._rank  # a gather's root waits alone
+        sizes = self._other_world_sizes(op, lane) if lister else ""
         detail = "; ".join(filter(None, [other_path, sizes]))
         count = len(present) if arrived is None else min(arrived, self._world)
         return timeout_error(op.name, op.label, op.seconds, self._world, count, missing, detail)
