@@ -651,8 +651,16 @@ void StoreCollectives::failure(const Op& op, const std::exception& exc) {
 }
 
 void StoreCollectives::timeout(const Op& op, Lane& lane) {
+  // The store's key names, read at most once however many checks below need them.
+  std::optional<std::optional<std::vector<std::string>>> listed;
+  Listing names = [&]() -> const std::optional<std::vector<std::string>>& {
+    if (!listed) {
+      listed = lane.list_keys();
+    }
+    return *listed;
+  };
   if (op.name == "broadcast_recv" || op.name == "scatter_recv") {
-    std::string sizes = rank_ <= 1 ? other_world_sizes(op, lane) : "";  // the lowest receiver
+    std::string sizes = rank_ <= 1 ? other_world_sizes(op, names) : "";  // the lowest receiver
     std::string detail = "nothing was sent" + (sizes.empty() ? "" : "; " + sizes);
     throw CollectiveTimeout(op.name, op.label, op.seconds, world_, std::nullopt, {}, detail);
   }
@@ -660,7 +668,7 @@ void StoreCollectives::timeout(const Op& op, Lane& lane) {
   std::optional<int> arrived;
   bool exchange = op.name == "all_gather" || op.name == "all_sum";
   if (op.name == "gather_recv" || (op.name == "all_gather" && !lane.native_barrier)) {
-    present = present_slots(op, lane);
+    present = present_slots(op, lane, names);
   } else if (exchange && lane.native_barrier) {
     for (const auto& [r, v] : K::parse_frames(lane.peek(op.key(K::kLog)).value_or(""), world_)) {
       if (r >= 0) {
@@ -685,21 +693,21 @@ void StoreCollectives::timeout(const Op& op, Lane& lane) {
       missing.push_back(r);
     }
   }
-  std::string detail = other_path(op, lane) ? K::kOtherPath : "";
+  std::string detail = other_path(op, lane, names) ? K::kOtherPath : "";
   bool lister = op.name == "gather_recv" || *present.begin() == rank_;  // a gather's root waits alone
-  std::string sizes = lister ? other_world_sizes(op, lane) : "";
+  std::string sizes = lister ? other_world_sizes(op, names) : "";
   detail += (detail.empty() || sizes.empty() ? "" : "; ") + sizes;
   throw CollectiveTimeout(op.name, op.label, op.seconds, world_, arrived, missing, detail);
 }
 
-std::string StoreCollectives::other_world_sizes(const Op& op, Lane& lane) {
+std::string StoreCollectives::other_world_sizes(const Op& op, const Listing& names) {
   // Name the world sizes of ranks that used this op's key in a group of another size (a rank
   // given the wrong world_size waits in a group of its own): one listKeys, where the store has
   // it; nothing elsewhere. Called by one rank per group and op (the lowest that arrived; the
   // lowest receiver), so that a timeout on thousands of ranks does not send the store's whole
   // key list to each of them.
-  auto names = lane.list_keys().value_or(std::vector<std::string>{});
-  auto sizes = K::other_world_sizes(names, world_, op.prefix.substr(op.prefix.rfind('/') + 1));
+  std::string token = op.prefix.substr(op.prefix.rfind('/') + 1);
+  auto sizes = K::other_world_sizes(names().value_or(std::vector<std::string>{}), world_, token);
   if (sizes.empty()) {
     return "";
   }
@@ -711,7 +719,7 @@ std::string StoreCollectives::other_world_sizes(const Op& op, Lane& lane) {
   return text.replace(text.find("{sizes}"), 7, joined);
 }
 
-bool StoreCollectives::other_path(const Op& op, Lane& lane) {
+bool StoreCollectives::other_path(const Op& op, Lane& lane, const Listing& names) {
   // Ranks on a torch without TCPStore.barrier take the generic path where this one takes the
   // TCPStore path (or the reverse): their keys, not this path's, show that they came.
   if (!lanes_->tcp() || op.name == "gather_recv") {
@@ -721,16 +729,16 @@ bool StoreCollectives::other_path(const Op& op, Lane& lane) {
     return lane.store->check({op.key(K::kBarrier)});
   }
   if (op.name == "all_gather") {
-    return !present_slots(op, lane).empty();
+    return !present_slots(op, lane, names).empty();
   }
   return lane.store->check({op.key(K::kArrive)});
 }
 
-std::set<int> StoreCollectives::present_slots(const Op& op, Lane& lane) {
+std::set<int> StoreCollectives::present_slots(const Op& op, Lane& lane, const Listing& names) {
   std::set<int> found;
   std::string prefix = op.prefix + "/r";
-  if (auto names = lane.list_keys()) {
-    for (const auto& name : *names) {
+  if (const auto& listed = names()) {
+    for (const auto& name : *listed) {
       size_t at = name.find(prefix);
       if (at == std::string::npos) {
         continue;

@@ -116,9 +116,11 @@ class StoreCollectives {
 
   [[noreturn]] void failure(const Op& op, const std::exception& exc);
   [[noreturn]] void timeout(const Op& op, Lane& lane);
-  std::set<int> present_slots(const Op& op, Lane& lane);
-  bool other_path(const Op& op, Lane& lane);
-  std::string other_world_sizes(const Op& op, Lane& lane);
+  // The store's key names (nullopt where it cannot list them), read at most once per timeout.
+  using Listing = std::function<const std::optional<std::vector<std::string>>&()>;
+  std::set<int> present_slots(const Op& op, Lane& lane, const Listing& names);
+  bool other_path(const Op& op, Lane& lane, const Listing& names);
+  std::string other_world_sizes(const Op& op, const Listing& names);
 
   void delete_later(std::vector<std::string> keys);
   void exit_later(

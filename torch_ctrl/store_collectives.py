@@ -7,6 +7,7 @@ two side by side.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -569,32 +570,34 @@ class PyStoreCollectives(ControlCollectives):
 
     def _timeout(self, op: _Op, lane: Lane) -> Exception:
         """Count who arrived (O(1) store reads) and name the missing ranks."""
+        # The store's key names, read at most once however many checks below need them.
+        names: Callable[[], list[str] | None] = functools.cache(lane.list_keys)
         if op.name in ("broadcast_recv", "scatter_recv"):
-            sizes = self._other_world_sizes(op, lane) if self._rank <= 1 else ""  # the lowest receiver
+            sizes = self._other_world_sizes(op, names) if self._rank <= 1 else ""  # the lowest receiver
             detail = "; ".join(filter(None, ["nothing was sent", sizes]))
             return timeout_error(op.name, op.label, op.seconds, self._world, detail=detail)
         arrived: int | None = None  # the barrier's counter, where there is one
         if op.name == "gather_recv" or (op.name == "all_gather" and not lane.native_barrier):
-            present = self._present_slots(op, lane)
+            present = self._present_slots(op, lane, names)
         elif op.name in ("all_gather", "all_sum") and lane.native_barrier:
             present = {r for r, _ in K.parse_frames(lane.peek(op.key(K.LOG)) or b"", self._world) if r >= 0}
         else:  # barrier
             lane.append(op.key(K.NAMES), b"%d," % self._rank)
             # Each rank appends at most twice (past the grace period, at its timeout).
-            names = lane.peek_log(op.key(K.NAMES), 2 * self._world)
-            present = K.parse_names(names or b"", self._world)
+            log = lane.peek_log(op.key(K.NAMES), 2 * self._world)
+            present = K.parse_names(log or b"", self._world)
             counter = lane.peek(op.key(K.counter(lane.native_barrier)))
             arrived = K.parse_counter(counter) if counter is not None else len(present)
         present.add(self._rank)
         missing = [r for r in range(self._world) if r not in present]
-        other_path = K.OTHER_PATH if self._other_path(op, lane) else ""
+        other_path = K.OTHER_PATH if self._other_path(op, lane, names) else ""
         lister = op.name == "gather_recv" or min(present) == self._rank  # a gather's root waits alone
-        sizes = self._other_world_sizes(op, lane) if lister else ""
+        sizes = self._other_world_sizes(op, names) if lister else ""
         detail = "; ".join(filter(None, [other_path, sizes]))
         count = len(present) if arrived is None else min(arrived, self._world)
         return timeout_error(op.name, op.label, op.seconds, self._world, count, missing, detail)
 
-    def _other_path(self, op: _Op, lane: Lane) -> bool:
+    def _other_path(self, op: _Op, lane: Lane, names: Callable[[], list[str] | None]) -> bool:
         """Ranks on a torch without TCPStore.barrier take the generic path where this one takes
         the TCPStore path (or the reverse): their keys, not this path's, show that they came."""
         if not self._lanes.tcp or op.name == "gather_recv":
@@ -602,26 +605,26 @@ class PyStoreCollectives(ControlCollectives):
         if not lane.native_barrier:
             return lane.store.check([op.key(K.BARRIER)])
         if op.name == "all_gather":
-            return bool(self._present_slots(op, lane))
+            return bool(self._present_slots(op, lane, names))
         return lane.store.check([op.key(K.ARRIVE)])
 
-    def _other_world_sizes(self, op: _Op, lane: Lane) -> str:
+    def _other_world_sizes(self, op: _Op, names: Callable[[], list[str] | None]) -> str:
         """Name the world sizes of ranks that used this op's key in a group of another size (a
         rank given the wrong world_size waits in a group of its own): one ``list_keys``, where
         the store has it; nothing elsewhere. Called by one rank per group and op (the lowest
         that arrived; the lowest receiver), so that a timeout on thousands of ranks does not
         send the store's whole key list to each of them."""
-        names = lane.list_keys()
-        sizes = K.other_world_sizes(names or [], self._world, op.prefix.rsplit("/", 1)[1])
+        sizes = K.other_world_sizes(names() or [], self._world, op.prefix.rsplit("/", 1)[1])
         return K.OTHER_WORLD_SIZES.format(sizes=", ".join(map(str, sizes))) if sizes else ""
 
-    def _present_slots(self, op: _Op, lane: Lane) -> set[int]:
-        """Ranks whose gather slot exists: one list_keys, or one check per rank as a fallback."""
+    def _present_slots(self, op: _Op, lane: Lane, names: Callable[[], list[str] | None]) -> set[int]:
+        """Ranks whose gather slot exists: from the store's key names, or one check per rank
+        where the store cannot list them."""
         prefix = op.prefix + "/r"
-        names = lane.list_keys()
-        if names is not None:
+        listed = names()
+        if listed is not None:
             found = set()
-            for name in names:
+            for name in listed:
                 tail = name[name.find(prefix) + len(prefix) :] if prefix in name else ""
                 if tail.isascii() and tail.isdigit() and len(tail) <= 19 and int(tail) < self._world:
                     found.add(int(tail))
