@@ -408,9 +408,8 @@ class Lane:
             # 64 bits (the C++ twin's Lane::add does the same). Only running totals get there.
             if "Unable to cast Python instance" not in str(exc) or self.store is base_store(self.store):
                 raise
-            if self._prefix is None:
-                self._prefix = key_prefix(self.store)
-            return K.wrap_int64(int(base_store(self.store).add(self._prefix + key, 0)))
+            base, full = self._base_key(key)
+            return K.wrap_int64(int(base.add(full, 0)))
 
     def delete(self, key: str) -> None:
         if not self.deletes:
@@ -422,9 +421,15 @@ class Lane:
             # virtual"): delete the key from the Python store itself, under its full name.
             if "pure virtual" not in str(exc):
                 raise
-            if self._prefix is None:
-                self._prefix = key_prefix(self.store)
-            base_store(self.store).delete_key(self._prefix + key)
+            base, full = self._base_key(key)
+            base.delete_key(full)
+
+    def _base_key(self, key: str) -> tuple[dist.Store, str]:
+        """The store under this lane's PrefixStores, and ``key`` as that store sees it (the C++
+        twin's ``base_key``): for the calls torch's PrefixStore cannot forward to a Python store."""
+        if self._prefix is None:
+            self._prefix = key_prefix(self.store)
+        return base_store(self.store), self._prefix + key
 
     def drop_counter(self, key: str) -> None:
         """Delete a counter of this rank's own; where keys cannot be deleted, bring it back to
