@@ -135,13 +135,13 @@ void StoreCollectives::barrier(const Key& key, double timeout, bool block) {
   }
   LaneGuard lane(*lanes_, open_lane(op));
   if (block) {
-    arrive(op, *lane);
     if (lane->native_barrier) {
-      check_counter(op, until_counted(op, *lane));
+      check_counter(op, meet(op, *lane));
       if (rank_ == 0) {
         delete_later({op.key(K::kBarrier)});
       }
     } else {
+      arrive(op, *lane);
       exit_later(op, world_, {K::kArrive, K::kDone});
     }
     return;
@@ -337,22 +337,40 @@ int64_t StoreCollectives::sum_counted(const Op& op, int64_t value) {
   return *total;
 }
 
-std::string StoreCollectives::arrive(const Op& op, Lane& lane, const std::function<std::string()>& publish) {
-  std::string counter = op.key(K::counter(lane.native_barrier));
-  std::string done;
+Wake StoreCollectives::wake_native(const Op& op, const std::string& counter) {
   std::optional<std::string> log_key;
   if (op.name == "all_gather" || op.name == "all_sum") {
     log_key = op.key(K::kLog);
   }
-  Wake wake_native = [counter, log_key](Lane& ln, const std::string& notice) {
+  return [counter, log_key](Lane& ln, const std::string& notice) {
     if (log_key) {
       ln.append(*log_key, K::frame(-1, notice));
     }
     ln.add(counter, K::kAbortBias);
   };
+}
+
+std::optional<std::string> StoreCollectives::meet(const Op& op, Lane& lane) {
+  // A return from the server's barrier proves nothing alone: the server wakes its waiters on
+  // any write to the counter, and a peer's read of it at its own deadline is one. A rank
+  // released so must not leave the scope as if the op had completed: that deletes the NAMES
+  // log the others are about to read.
+  std::string counter = op.key(K::kBarrier);
+  try {
+    Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_native(op, counter));
+    lane.barrier(counter, world_, op.left());
+    return until_counted(op, lane);
+  } catch (const std::exception& exc) {
+    failure(op, exc);
+  }
+}
+
+std::string StoreCollectives::arrive(const Op& op, Lane& lane, const std::function<std::string()>& publish) {
+  std::string counter = op.key(K::counter(lane.native_barrier));
+  std::string done;
   try {
     if (lane.native_barrier) {
-      Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_native);
+      Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_native(op, counter));
       lane.barrier(counter, world_, op.left());
       if (op.left() < 0.05) {
         // TCPStore's native barrier can return normally when several waiters time out
@@ -557,25 +575,22 @@ std::pair<std::string, std::vector<std::string>> StoreCollectives::untag(
 }
 
 std::optional<std::string> StoreCollectives::until_counted(const Op& op, Lane& lane) {
-  // TCPStore wakes native-barrier waiters on any write to the counter, so a rank
-  // arriving with block=false (a plain add) releases them early: then poll the counter
-  // until the count is complete, the group is aborted, or the deadline passes.
+  // Called while blocked, after the server-side barrier returned. TCPStore wakes its
+  // waiters on any write to the counter: a rank arriving with block=false (a plain add), or
+  // a peer reading the counter (compare_set) as it times out, releases them early. Then poll
+  // the counter until the count is complete, the group is aborted, or the deadline passes.
   std::string key = op.key(K::kBarrier);
   auto counter = lane.peek(key);
   auto short_of = [this, &op, &key](const std::optional<std::string>& value) {
     return value && decode(op, key, [&] { return K::parse_counter(*value); }) < world_;
   };
-  if (!short_of(counter)) {
-    return counter;
-  }
   double pause = 0.001;
-  Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds);
   while (short_of(counter)) {
     if (auto notice = watcher_->notice()) {
       raise_abort(op, *notice);
     }
     if (op.left() <= 0) {
-      failure(op, std::runtime_error("barrier timeout"));
+      throw std::runtime_error("barrier timeout");
     }
     std::this_thread::sleep_for(std::chrono::duration<double>(std::min(pause, op.left())));
     pause = std::min(pause * 2, 0.05);

@@ -82,6 +82,12 @@ class StoreCollectives {
   // Wakes a blocked read of `keys` on abort: writes the abort notice to each of them.
   static Wake wake_set(Keys keys);
   static Wake wake_set(std::string key);
+  // Releases a caller in TCPStore's server-side barrier on abort: raises the counter by
+  // kAbortBias (after an abort frame in the op's log, if it has one).
+  static Wake wake_native(const Op& op, const std::string& counter);
+  // The barrier op on a TCPStore: the server-side barrier, then the counter (until_counted),
+  // read in the same blocked scope (see the definition).
+  std::optional<std::string> meet(const Op& op, Lane& lane);
   // Arrive at the op's barrier and wait for every rank; on the add/done barrier the last
   // arriver writes publish() (or nothing) as the done flag's payload, and every rank returns it.
   std::string arrive(const Op& op, Lane& lane, const std::function<std::string()>& publish = nullptr);

@@ -148,6 +148,33 @@ def test_barrier_timeout_several_present(impl: str) -> None:
         assert "4/5 ranks arrived; missing ranks: [3]" in out[rank], out[rank]
 
 
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+def test_barrier_timeout_names_ranks_with_later_deadlines(impl: str, kind: str) -> None:
+    """Ranks 0-2 time out first and read the barrier's counter; on a TCPStore that read wakes
+    rank 4, still inside the server's barrier with 2 s left. Rank 4 must keep waiting, and must
+    not delete the NAMES log the others are reading (it did, as if the barrier had completed:
+    their errors then named ranks that were there as missing)."""
+    stores, world = Stores(kind), 5
+
+    def fn(rank):
+        if rank == 3:
+            return None
+        coll = make(impl, stores.client(rank), rank, world)
+        seconds = 5.0 if rank == 4 else 3.0  # 3 s: see test_barrier_timeout_several_present
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError) as info:
+            coll.barrier("b", seconds)
+        elapsed = time.monotonic() - start
+        coll.close()
+        return str(info.value), elapsed
+
+    out = run_ranks(world, fn)
+    for rank in (0, 1, 2, 4):
+        text, elapsed = out[rank]
+        assert "4/5 ranks arrived; missing ranks: [3]" in text, (rank, text)
+    assert out[4][1] >= 4.9, "rank 4 left the barrier before its own deadline"
+
+
 def test_missing_ranks_list_is_capped(impl: str) -> None:
     stores, world = Stores("hash"), 40
     coll = make(impl, stores.client(0), 0, world)

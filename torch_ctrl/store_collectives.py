@@ -146,12 +146,12 @@ class PyStoreCollectives(ControlCollectives):
             return
         with self._lane(op) as lane:
             if block:
-                self._arrive(op, lane)
                 if lane.native_barrier:
-                    self._check_counter(op, self._until_counted(op, lane))
+                    self._check_counter(op, self._meet(op, lane))
                     if self._rank == 0:
                         self._delete_later([op.key(K.BARRIER)])
                 else:
+                    self._arrive(op, lane)
                     self._exit_later(op, self._world, [K.ARRIVE, K.DONE])
                 return
             count = lane.add(op.key(K.counter(lane.native_barrier)), 1)
@@ -338,21 +338,40 @@ class PyStoreCollectives(ControlCollectives):
         self._exit_later(op, self._world, [K.ARRIVE, K.SUM, K.DONE])
         return K.parse_total(done, lambda: collective_error(op.name, op.label, K.BAD_VALUE))
 
+    def _wake_native(self, op: _Op, counter: str) -> Callable[[Lane, bytes], None]:
+        """How the watcher releases a caller in TCPStore's server-side barrier on abort: raise
+        the counter by ``ABORT_BIAS`` (after an abort frame in the op's log, if it has one)."""
+        log_key = op.key(K.LOG) if op.name in ("all_gather", "all_sum") else None
+
+        def wake(ln: Lane, notice: bytes) -> None:
+            if log_key is not None:
+                ln.append(log_key, K.frame(-1, notice))
+            ln.add(counter, K.ABORT_BIAS)
+
+        return wake
+
+    def _meet(self, op: _Op, lane: Lane) -> bytes | None:
+        """The barrier op on a TCPStore: the server-side barrier, then the counter (see
+        ``_until_counted``), read in the same blocked scope. A return from the server's barrier
+        proves nothing alone: the server wakes its waiters on any write to the counter, and a
+        peer's read of it at its own deadline is one. A rank released so must not leave the
+        scope as if the op had completed: that deletes the NAMES log the others are about to read."""
+        counter = op.key(K.BARRIER)
+        try:
+            with self._watcher.blocked(op.key(K.NAMES), op.seconds, self._wake_native(op, counter)):
+                lane.barrier(counter, self._world, op.left())
+                return self._until_counted(op, lane)
+        except Exception as exc:
+            raise self._failure(op, exc) from None
+
     def _arrive(self, op: _Op, lane: Lane, publish: Callable[[], bytes] | None = None) -> bytes:
         """Arrive at the op's barrier and wait for every rank (native or add/done). On the
         add/done barrier the last arriver writes ``publish()`` (or nothing) as the done flag's
         payload, and every rank returns that payload."""
         counter = op.key(K.counter(lane.native_barrier))
-        log_key = op.key(K.LOG) if op.name in ("all_gather", "all_sum") else None
-
-        def wake_native(ln: Lane, notice: bytes) -> None:
-            if log_key is not None:
-                ln.append(log_key, K.frame(-1, notice))
-            ln.add(counter, K.ABORT_BIAS)
-
         try:
             if lane.native_barrier:
-                with self._watcher.blocked(op.key(K.NAMES), op.seconds, wake_native):
+                with self._watcher.blocked(op.key(K.NAMES), op.seconds, self._wake_native(op, counter)):
                     lane.barrier(counter, self._world, op.left())
                     if op.left() < 0.05:
                         # TCPStore's native barrier can return normally when several waiters
@@ -499,26 +518,25 @@ class PyStoreCollectives(ControlCollectives):
         return wake
 
     def _until_counted(self, op: _Op, lane: Lane) -> bytes | None:
-        """The barrier counter once every rank has arrived (or an abort raised it).
+        """The barrier counter once every rank has arrived (or an abort raised it); called
+        while blocked, after the server-side barrier returned.
 
-        TCPStore wakes native-barrier waiters on any write to the counter, so a rank
-        arriving with ``block=False`` (a plain ``add``) releases them early: then poll the
-        counter until the count is complete, the group is aborted, or the deadline passes.
+        TCPStore wakes native-barrier waiters on any write to the counter: a rank arriving
+        with ``block=False`` (a plain ``add``), or a peer reading the counter (``compare_set``)
+        as it times out, releases them early. Then poll the counter until the count is
+        complete, the group is aborted, or the deadline passes.
         """
         key = op.key(K.BARRIER)
         counter = lane.peek(key)
-        if counter is None or self._decode(op, key, K.parse_counter, counter) >= self._world:
-            return counter
         pause = 0.001
-        with self._watcher.blocked(op.key(K.NAMES), op.seconds):
-            while counter is not None and self._decode(op, key, K.parse_counter, counter) < self._world:
-                if self._watcher.notice is not None:
-                    self._raise_abort(op, self._watcher.notice)
-                if op.left() <= 0:
-                    raise self._failure(op, TimeoutError("barrier timeout"))
-                time.sleep(min(pause, op.left()))
-                pause = min(pause * 2, 0.05)
-                counter = lane.peek(key)
+        while counter is not None and self._decode(op, key, K.parse_counter, counter) < self._world:
+            if self._watcher.notice is not None:
+                self._raise_abort(op, self._watcher.notice)
+            if op.left() <= 0:
+                raise TimeoutError("barrier timeout")
+            time.sleep(min(pause, op.left()))
+            pause = min(pause * 2, 0.05)
+            counter = lane.peek(key)
         return counter
 
     def _check_counter(self, op: _Op, counter: bytes | None) -> None:
