@@ -35,6 +35,9 @@ constexpr double kFilePoll = 0.01;
 // Twin of lanes.CLAIM_WAIT: without compare_set, how long a later claimer waits for the
 // first one's write.
 constexpr double kClaimWait = 1.0;
+// Twin of lanes.QUIET_WAIT: how long peek_quietly's get waits for a key that vanished after
+// its check.
+constexpr double kQuietWait = 0.25;
 
 // Twin of lanes._ForkGate: no fork() while one of our threads opens a connection. Name
 // resolution takes glibc's resolver lock; a child forked while another thread held it
@@ -504,6 +507,23 @@ bool Lane::fits(double seconds) {
   }
   double own = std::chrono::duration<double>(store->getTimeout()).count();
   return std::abs(own - seconds) <= 0.01 * seconds + 0.01;
+}
+
+std::optional<std::string> Lane::peek_quietly(const std::string& key) {
+  if (!native_barrier) {
+    return peek(key);
+  }
+  if (!store->check({key})) {
+    return std::nullopt;
+  }
+  try {
+    return get(key, kQuietWait);
+  } catch (const std::exception&) {
+    if (store->check({key})) {
+      throw;
+    }
+    return std::nullopt;  // deleted after the check: only once its barrier has completed
+  }
 }
 
 std::string Lane::get(const std::string& key, double seconds) {

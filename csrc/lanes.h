@@ -59,6 +59,10 @@ struct Lane {
   // Read without waiting or writing (without compare_set: check, then get; keys never vanish
   // on such a store); nullopt when the key does not exist.
   std::optional<std::string> peek(const std::string& key);
+  // peek for a counter that ranks may be waiting on in TCPStore's server-side barrier: the
+  // server takes compare_set for a write and releases them, so check, then get (3 round trips
+  // where peek takes one: for timeouts and polls, never the success path). Elsewhere peek.
+  std::optional<std::string> peek_quietly(const std::string& key);
   // Read what was appended to `key`, at most `most` entries where entries are separate keys.
   std::optional<std::string> peek_log(const std::string& key, int64_t most);
   // Write `value` unless a value was written first; return the value that stands (without

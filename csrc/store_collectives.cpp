@@ -375,8 +375,9 @@ std::string StoreCollectives::arrive(const Op& op, Lane& lane, const std::functi
       if (op.left() < 0.05) {
         // TCPStore's native barrier can return normally when several waiters time out
         // together: trust the counter, not the return (and throw while still blocked, so
-        // this rank's NAMES entry stays for the others).
-        auto value = lane.peek(counter);
+        // this rank's NAMES entry stays for the others). Read quietly: a compare_set would
+        // release ranks with later deadlines.
+        auto value = lane.peek_quietly(counter);
         if (value && decode(op, counter, [&] { return K::parse_counter(*value); }) < world_) {
           throw std::runtime_error("barrier timeout");
         }
@@ -576,11 +577,13 @@ std::pair<std::string, std::vector<std::string>> StoreCollectives::untag(
 
 std::optional<std::string> StoreCollectives::until_counted(const Op& op, Lane& lane) {
   // Called while blocked, after the server-side barrier returned. TCPStore wakes its
-  // waiters on any write to the counter: a rank arriving with block=false (a plain add), or
-  // a peer reading the counter (compare_set) as it times out, releases them early. Then poll
-  // the counter until the count is complete, the group is aborted, or the deadline passes.
+  // waiters on any write to the counter, compare_set included: a rank arriving with
+  // block=false (a plain add) releases them early. Then poll the counter until the count is
+  // complete, the group is aborted, or the deadline passes. Polls read it quietly, and so
+  // does the first read at the deadline: a compare_set would release the ranks still
+  // waiting, and they would poll too (a storm of requests at scale).
   std::string key = op.key(K::kBarrier);
-  auto counter = lane.peek(key);
+  auto counter = op.left() >= 0.05 ? lane.peek(key) : lane.peek_quietly(key);
   auto short_of = [this, &op, &key](const std::optional<std::string>& value) {
     return value && decode(op, key, [&] { return K::parse_counter(*value); }) < world_;
   };
@@ -594,7 +597,7 @@ std::optional<std::string> StoreCollectives::until_counted(const Op& op, Lane& l
     }
     std::this_thread::sleep_for(std::chrono::duration<double>(std::min(pause, op.left())));
     pause = std::min(pause * 2, 0.05);
-    counter = lane.peek(key);
+    counter = lane.peek_quietly(key);
   }
   return counter;
 }
@@ -694,7 +697,8 @@ void StoreCollectives::timeout(const Op& op, Lane& lane) {
     lane.append(op.key(K::kNames), std::to_string(rank_) + ",");
     // Each rank appends at most twice (past the grace period, at its timeout).
     present = K::parse_names(lane.peek_log(op.key(K::kNames), 2 * int64_t{world_}).value_or(""), world_);
-    auto counter = lane.peek(op.key(K::counter(lane.native_barrier)));
+    // Quietly: ranks with later deadlines may still be in TCPStore's barrier on it.
+    auto counter = lane.peek_quietly(op.key(K::counter(lane.native_barrier)));
     arrived = counter ? static_cast<int>(std::min<int64_t>(K::parse_counter(*counter), world_))
                       : static_cast<int>(present.size());
   }
@@ -835,7 +839,7 @@ void StoreCollectives::delete_when_full(const Op& op) {
   watcher_->submit([counter, deadline, world](Lane& lane) {
     double pause = 0.01;
     while (true) {
-      auto value = lane.peek(counter);
+      auto value = lane.peek_quietly(counter);  // the blocking ranks wait on it in the server
       if (!value || K::parse_counter(*value) >= world) {  // garbage: DecodeError ends the task
         break;
       }

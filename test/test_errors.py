@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from helpers import CppStoreCollectives, DictStore, Stores, make, run_ranks
+from helpers import HOST, CppStoreCollectives, DictStore, Stores, make, run_ranks
 
 import torch_ctrl
 from torch_ctrl import CollectiveTimeoutError, KeyReusedError
@@ -173,6 +173,35 @@ def test_barrier_timeout_names_ranks_with_later_deadlines(impl: str, kind: str) 
         text, elapsed = out[rank]
         assert "4/5 ranks arrived; missing ranks: [3]" in text, (rank, text)
     assert out[4][1] >= 4.9, "rank 4 left the barrier before its own deadline"
+
+
+@pytest.mark.parametrize("op", ["barrier", "all_gather"])
+def test_a_timeout_does_not_release_ranks_still_waiting(impl: str, op: str) -> None:
+    """Ranks 0 and 1 time out after 1 s and count arrivals. A third party waits in TCPStore's
+    own barrier on the op's counter (as a rank with a later deadline does): nothing they do
+    may release it before its own timeout. A compare_set read of the counter did (the server
+    takes it for a write), and released ranks then polled until their own deadlines."""
+    stores, world = Stores("tcp"), 4
+    if not hasattr(dist.TCPStore, "barrier"):
+        pytest.skip("no server-side barrier before torch 2.12: nothing to release")
+    counter = K.field(K.op_prefix(world, "k", -1), K.BARRIER)
+
+    def fn(rank):
+        if rank == 2:  # the third party: one arrival, waiting 2.5 s
+            waiter = dist.TCPStore(HOST, stores.port, is_master=False, timeout=timedelta(seconds=2.5))
+            start = time.monotonic()
+            with pytest.raises(dist.DistStoreError):
+                waiter.barrier(counter, world)
+            return time.monotonic() - start
+        if rank == 3:
+            return None
+        coll = make(impl, stores.client(rank), rank, world)
+        with pytest.raises(CollectiveTimeoutError):
+            getattr(coll, op)("k", b"x", 1.0) if op == "all_gather" else coll.barrier("k", 1.0)
+        coll.close()
+        return None
+
+    assert run_ranks(world, fn)[2] >= 2.4
 
 
 def test_missing_ranks_list_is_capped(impl: str) -> None:

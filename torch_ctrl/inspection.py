@@ -307,7 +307,7 @@ def read_values(store: dist.Store, keys: Sequence[str], owned: bool = False) -> 
         except Exception:  # noqa: BLE001 - a key went away in between: read one by one
             pass
         for key in batch:
-            out[key] = _read_one(store, key)
+            out[key] = _read_one(store, key, owned)
     return out
 
 
@@ -324,8 +324,17 @@ def _read_existing(store: dist.Store, batch: list[str], owned: bool) -> list[byt
         store.set_timeout(previous)
 
 
-def _read_one(store: dist.Store, key: str) -> bytes | None:
-    """One key, never waiting: ``compare_set`` that cannot match (stores without it: check + get)."""
+def _read_one(store: dist.Store, key: str, owned: bool = False) -> bytes | None:
+    """One key, never waiting long. On a connection of ours: ``check``, then a read that waits
+    at most ``READ_WAIT``, so nothing is written: TCPStore takes ``compare_set`` for a write to
+    the key and releases the ranks waiting on it in its server-side barrier. Elsewhere (the
+    caller's own store, whose timeout is not ours to change): ``compare_set`` that cannot match
+    (stores without it: check + get)."""
+    if owned:
+        try:
+            return _read_existing(store, [key], owned)[0] if store.check([key]) else None
+        except Exception:  # noqa: BLE001 - deleted between check and read
+            return None
     try:
         return peek(store, key)
     except Exception:  # noqa: BLE001 - stores without compare_set

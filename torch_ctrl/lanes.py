@@ -365,6 +365,8 @@ def _tcp_client(store: dist.TCPStore, connect_timeout: float | None) -> dist.TCP
 
 # Without compare_set, how long a later claimer waits for the first one's write (Lane.claim).
 CLAIM_WAIT = 1.0
+# How long Lane.peek_quietly's get waits for a key that vanished after its check.
+QUIET_WAIT = 0.25
 
 
 class Lane:
@@ -445,6 +447,22 @@ class Lane:
         if self.cas:
             return peek(self.store, key)
         return bytes(self.store.get(key)) if self.store.check([key]) else None
+
+    def peek_quietly(self, key: str) -> bytes | None:
+        """``peek`` for a counter that ranks may be waiting on in TCPStore's server-side
+        barrier. The server takes ``compare_set`` for a write and releases every rank waiting
+        on the key, so here: ``check``, then ``get`` (3 round trips where ``peek`` takes one: for
+        timeouts and polls, never the success path). Elsewhere ``peek``."""
+        if not self.native_barrier:
+            return self.peek(key)
+        if not self.store.check([key]):
+            return None
+        try:
+            return self.get(key, QUIET_WAIT)
+        except Exception:
+            if self.store.check([key]):
+                raise
+            return None  # deleted after the check: only once its barrier has completed
 
     def peek_log(self, key: str, most: int) -> bytes | None:
         """Read what was appended to ``key`` (see :meth:`append`), at most ``most`` entries

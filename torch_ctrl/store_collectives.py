@@ -377,7 +377,8 @@ class PyStoreCollectives(ControlCollectives):
                         # TCPStore's native barrier can return normally when several waiters
                         # time out together: trust the counter, not the return (and raise
                         # while still blocked, so this rank's NAMES entry stays for the others).
-                        value = lane.peek(counter)
+                        # Read quietly: a compare_set would release ranks with later deadlines.
+                        value = lane.peek_quietly(counter)
                         if value is not None and self._decode(op, counter, K.parse_counter, value) < self._world:
                             raise TimeoutError("barrier timeout")
                 return b""
@@ -521,13 +522,15 @@ class PyStoreCollectives(ControlCollectives):
         """The barrier counter once every rank has arrived (or an abort raised it); called
         while blocked, after the server-side barrier returned.
 
-        TCPStore wakes native-barrier waiters on any write to the counter: a rank arriving
-        with ``block=False`` (a plain ``add``), or a peer reading the counter (``compare_set``)
-        as it times out, releases them early. Then poll the counter until the count is
-        complete, the group is aborted, or the deadline passes.
+        TCPStore wakes native-barrier waiters on any write to the counter, ``compare_set``
+        included: a rank arriving with ``block=False`` (a plain ``add``) releases them early.
+        Then poll the counter until the count is complete, the group is aborted, or the
+        deadline passes. Polls read it quietly, and so
+        does the first read at the deadline: a ``compare_set`` would release the ranks still
+        waiting, and they would poll too (a storm of requests at scale).
         """
         key = op.key(K.BARRIER)
-        counter = lane.peek(key)
+        counter = lane.peek(key) if op.left() >= 0.05 else lane.peek_quietly(key)
         pause = 0.001
         while counter is not None and self._decode(op, key, K.parse_counter, counter) < self._world:
             if self._watcher.notice is not None:
@@ -536,7 +539,7 @@ class PyStoreCollectives(ControlCollectives):
                 raise TimeoutError("barrier timeout")
             time.sleep(min(pause, op.left()))
             pause = min(pause * 2, 0.05)
-            counter = lane.peek(key)
+            counter = lane.peek_quietly(key)
         return counter
 
     def _check_counter(self, op: _Op, counter: bytes | None) -> None:
@@ -604,7 +607,8 @@ class PyStoreCollectives(ControlCollectives):
             # Each rank appends at most twice (past the grace period, at its timeout).
             log = lane.peek_log(op.key(K.NAMES), 2 * self._world)
             present = K.parse_names(log or b"", self._world)
-            counter = lane.peek(op.key(K.counter(lane.native_barrier)))
+            # Quietly: ranks with later deadlines may still be in TCPStore's barrier on it.
+            counter = lane.peek_quietly(op.key(K.counter(lane.native_barrier)))
             arrived = K.parse_counter(counter) if counter is not None else len(present)
         present.add(self._rank)
         missing = [r for r in range(self._world) if r not in present]
@@ -698,7 +702,7 @@ class PyStoreCollectives(ControlCollectives):
         def task(lane: Lane) -> None:
             pause = 0.01
             while True:
-                value = lane.peek(counter)
+                value = lane.peek_quietly(counter)  # the blocking ranks wait on it in the server
                 if value is None or K.parse_counter(value) >= world:  # garbage: DecodeError ends the task
                     break
                 if time.monotonic() > deadline or leaving():  # at exit the counter stays
