@@ -175,6 +175,30 @@ def test_barrier_timeout_names_ranks_with_later_deadlines(impl: str, kind: str) 
     assert out[4][1] >= 4.9, "rank 4 left the barrier before its own deadline"
 
 
+@pytest.mark.parametrize("op", ["all_gather", "all_sum"])
+def test_a_rank_with_a_later_deadline_times_out_as_a_timeout(impl: str, op: str) -> None:
+    """Ranks 0 and 1 give up after 1 s, rank 2 after 2.5 s, rank 3 never comes. What the first
+    two do as they time out (counting arrivals, naming the missing) must leave rank 2 waiting
+    until its own deadline, and its error must be the timeout, naming rank 3."""
+    stores, world = Stores("tcp"), 4
+
+    def fn(rank):
+        if rank == 3:
+            return None
+        coll = make(impl, stores.client(rank), rank, world)
+        seconds = 2.5 if rank == 2 else 1.0
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError) as info:
+            coll.all_gather("k", b"x", seconds) if op == "all_gather" else coll.all_sum("k", 1, seconds)
+        elapsed = time.monotonic() - start
+        coll.close()
+        return str(info.value), elapsed
+
+    text, elapsed = run_ranks(world, fn)[2]
+    assert elapsed >= 2.4, (elapsed, text)
+    assert "3/4 ranks arrived; missing ranks: [3]" in text, text
+
+
 @pytest.mark.parametrize("op", ["barrier", "all_gather"])
 def test_a_timeout_does_not_release_ranks_still_waiting(impl: str, op: str) -> None:
     """Ranks 0 and 1 time out after 1 s and count arrivals. A third party waits in TCPStore's
