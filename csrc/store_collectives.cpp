@@ -352,9 +352,9 @@ Wake StoreCollectives::wake_native(const Op& op, const std::string& counter) {
 
 std::optional<std::string> StoreCollectives::meet(const Op& op, Lane& lane) {
   // A return from the server's barrier proves nothing alone: the server wakes its waiters on
-  // any write to the counter, and a peer's read of it at its own deadline is one. A rank
+  // any write to the counter (a block=false arrival, or any compare_set of it). A rank
   // released so must not leave the scope as if the op had completed: that deletes the NAMES
-  // log the others are about to read.
+  // log the others read to name the missing ranks.
   std::string counter = op.key(K::kBarrier);
   try {
     Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_native(op, counter));

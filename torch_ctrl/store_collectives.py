@@ -353,9 +353,10 @@ class PyStoreCollectives(ControlCollectives):
     def _meet(self, op: _Op, lane: Lane) -> bytes | None:
         """The barrier op on a TCPStore: the server-side barrier, then the counter (see
         ``_until_counted``), read in the same blocked scope. A return from the server's barrier
-        proves nothing alone: the server wakes its waiters on any write to the counter, and a
-        peer's read of it at its own deadline is one. A rank released so must not leave the
-        scope as if the op had completed: that deletes the NAMES log the others are about to read."""
+        proves nothing alone: the server wakes its waiters on any write to the counter (a
+        ``block=False`` arrival, or any ``compare_set`` of it). A rank released so must not leave
+        the scope as if the op had completed: that deletes the NAMES log the others read to name
+        the missing ranks."""
         counter = op.key(K.BARRIER)
         try:
             with self._watcher.blocked(op.key(K.NAMES), op.seconds, self._wake_native(op, counter)):
@@ -525,9 +526,9 @@ class PyStoreCollectives(ControlCollectives):
         TCPStore wakes native-barrier waiters on any write to the counter, ``compare_set``
         included: a rank arriving with ``block=False`` (a plain ``add``) releases them early.
         Then poll the counter until the count is complete, the group is aborted, or the
-        deadline passes. Polls read it quietly, and so
-        does the first read at the deadline: a ``compare_set`` would release the ranks still
-        waiting, and they would poll too (a storm of requests at scale).
+        deadline passes. Polls read it quietly, and so does the first read at the deadline: a
+        ``compare_set`` would release the ranks still waiting, and they would poll too (a
+        storm of requests at scale).
         """
         key = op.key(K.BARRIER)
         counter = lane.peek(key) if op.left() >= 0.05 else lane.peek_quietly(key)
