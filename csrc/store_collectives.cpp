@@ -45,6 +45,10 @@ constexpr double kDiagnosticsConnect = 2.0;
 // of 0 still reads a result that is there, and a connection slower than a millisecond is no
 // sign of a server that is gone (see open_lane).
 constexpr double kMinConnect = 0.1;
+// Twin of AT_DEADLINE: a return from TCPStore's barrier with less time left than this is taken
+// for the deadline (several waiters that time out together may return normally): the counter
+// is then read quietly and trusted over the return.
+constexpr double kAtDeadline = 0.05;
 
 int64_t wrap_sum(const std::vector<int64_t>& values) {
   uint64_t total = 0;
@@ -372,7 +376,7 @@ std::string StoreCollectives::arrive(const Op& op, Lane& lane, const std::functi
     if (lane.native_barrier) {
       Watcher::Blocked blocked(*watcher_, op.key(K::kNames), op.seconds, wake_native(op, counter));
       lane.barrier(counter, world_, op.left());
-      if (op.left() < 0.05) {
+      if (op.left() < kAtDeadline) {
         // TCPStore's native barrier can return normally when several waiters time out
         // together: trust the counter, not the return (and throw while still blocked, so
         // this rank's NAMES entry stays for the others). Read quietly: a compare_set would
@@ -583,7 +587,7 @@ std::optional<std::string> StoreCollectives::until_counted(const Op& op, Lane& l
   // does the first read at the deadline: a compare_set would release the ranks still
   // waiting, and they would poll too (a storm of requests at scale).
   std::string key = op.key(K::kBarrier);
-  auto counter = op.left() >= 0.05 ? lane.peek(key) : lane.peek_quietly(key);
+  auto counter = op.left() >= kAtDeadline ? lane.peek(key) : lane.peek_quietly(key);
   auto short_of = [this, &op, &key](const std::optional<std::string>& value) {
     return value && decode(op, key, [&] { return K::parse_counter(*value); }) < world_;
   };

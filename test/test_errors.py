@@ -150,10 +150,10 @@ def test_barrier_timeout_several_present(impl: str) -> None:
 
 @pytest.mark.parametrize("kind", ["tcp", "prefix"])
 def test_barrier_timeout_names_ranks_with_later_deadlines(impl: str, kind: str) -> None:
-    """Ranks 0-2 time out first and read the barrier's counter; on a TCPStore that read wakes
-    rank 4, still inside the server's barrier with 2 s left. Rank 4 must keep waiting, and must
-    not delete the NAMES log the others are reading (it did, as if the barrier had completed:
-    their errors then named ranks that were there as missing)."""
+    """Ranks 0-2 time out first and read the barrier's counter while rank 4 is still inside
+    TCPStore's barrier with 2 s left. Rank 4 must keep waiting, and must not delete the NAMES
+    log the others are reading (when their compare_set read woke it, it did, as if the barrier
+    had completed: their errors then named ranks that were there as missing)."""
     stores, world = Stores(kind), 5
 
     def fn(rank):
@@ -175,12 +175,13 @@ def test_barrier_timeout_names_ranks_with_later_deadlines(impl: str, kind: str) 
     assert out[4][1] >= 4.9, "rank 4 left the barrier before its own deadline"
 
 
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
 @pytest.mark.parametrize("op", ["all_gather", "all_sum"])
-def test_a_rank_with_a_later_deadline_times_out_as_a_timeout(impl: str, op: str) -> None:
+def test_a_rank_with_a_later_deadline_times_out_as_a_timeout(impl: str, op: str, kind: str) -> None:
     """Ranks 0 and 1 give up after 1 s, rank 2 after 2.5 s, rank 3 never comes. What the first
     two do as they time out (counting arrivals, naming the missing) must leave rank 2 waiting
     until its own deadline, and its error must be the timeout, naming rank 3."""
-    stores, world = Stores("tcp"), 4
+    stores, world = Stores(kind), 4
 
     def fn(rank):
         if rank == 3:
@@ -199,16 +200,18 @@ def test_a_rank_with_a_later_deadline_times_out_as_a_timeout(impl: str, op: str)
     assert "3/4 ranks arrived; missing ranks: [3]" in text, text
 
 
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
 @pytest.mark.parametrize("op", ["barrier", "all_gather"])
-def test_a_timeout_does_not_release_ranks_still_waiting(impl: str, op: str) -> None:
+def test_a_timeout_does_not_release_ranks_still_waiting(impl: str, op: str, kind: str) -> None:
     """Ranks 0 and 1 time out after 1 s and count arrivals. A third party waits in TCPStore's
     own barrier on the op's counter (as a rank with a later deadline does): nothing they do
     may release it before its own timeout. A compare_set read of the counter did (the server
     takes it for a write), and released ranks then polled until their own deadlines."""
-    stores, world = Stores("tcp"), 4
+    stores, world = Stores(kind), 4
     if not hasattr(dist.TCPStore, "barrier"):
         pytest.skip("no server-side barrier before torch 2.12: nothing to release")
-    counter = K.field(K.op_prefix(world, "k", -1), K.BARRIER)
+    # The counter's name on the server (the prefix kind's PrefixStore puts "job/" before it).
+    counter = ("job/" if kind == "prefix" else "") + K.field(K.op_prefix(world, "k", -1), K.BARRIER)
 
     def fn(rank):
         if rank == 2:  # the third party: one arrival, waiting 2.5 s

@@ -53,6 +53,10 @@ DIAGNOSTICS_CONNECT = 2.0  # seconds a new connection may take to name the missi
 # of 0 still reads a result that is there, and a connection slower than a millisecond is no
 # sign of a server that is gone (see _lane).
 MIN_CONNECT = 0.1
+# A return from TCPStore's barrier with less time left than this is taken for the deadline
+# (several waiters that time out together may return normally): the counter is then read
+# quietly and trusted over the return.
+AT_DEADLINE = 0.05
 
 
 @dataclass
@@ -374,7 +378,7 @@ class PyStoreCollectives(ControlCollectives):
             if lane.native_barrier:
                 with self._watcher.blocked(op.key(K.NAMES), op.seconds, self._wake_native(op, counter)):
                     lane.barrier(counter, self._world, op.left())
-                    if op.left() < 0.05:
+                    if op.left() < AT_DEADLINE:
                         # TCPStore's native barrier can return normally when several waiters
                         # time out together: trust the counter, not the return (and raise
                         # while still blocked, so this rank's NAMES entry stays for the others).
@@ -531,7 +535,7 @@ class PyStoreCollectives(ControlCollectives):
         storm of requests at scale).
         """
         key = op.key(K.BARRIER)
-        counter = lane.peek(key) if op.left() >= 0.05 else lane.peek_quietly(key)
+        counter = lane.peek(key) if op.left() >= AT_DEADLINE else lane.peek_quietly(key)
         pause = 0.001
         while counter is not None and self._decode(op, key, K.parse_counter, counter) < self._world:
             if self._watcher.notice is not None:
