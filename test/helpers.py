@@ -140,19 +140,22 @@ class Stores:
         # num_keys counts every key below any prefix anyway: the admin of prefix_python is the store.
         self.admin = self._shared if kind == "prefix_python" else self.client(-1)
 
-    def client(self, rank: int) -> dist.Store:
-        """A store handle for one rank (its own connection where the kind has them). Made one
-        at a time: torch 2.6 aborts when threads construct TCPStore clients concurrently."""
+    def client(self, rank: int, port: int | None = None) -> dist.Store:
+        """A store handle for one rank (its own connection where the kind has them), through
+        ``port`` (a :class:`Gate`'s) if given. Made one at a time: torch 2.6 aborts when
+        threads construct TCPStore clients concurrently."""
         with _CONNECT:
-            return self._client(rank)
+            return self._client(rank, port)
 
-    def _client(self, rank: int) -> dist.Store:
+    def _client(self, rank: int, port: int | None) -> dist.Store:
+        if port is None and self.kind in ("tcp", "tcp_nolibuv", "prefix", "prefix_nested"):
+            port = self.port
         if self.kind in ("tcp", "tcp_nolibuv"):
-            return dist.TCPStore(HOST, self.port, is_master=False, use_libuv=self.kind == "tcp")
+            return dist.TCPStore(HOST, port, is_master=False, use_libuv=self.kind == "tcp")
         if self.kind == "prefix":
-            return dist.PrefixStore("job", dist.TCPStore(HOST, self.port, is_master=False))
+            return dist.PrefixStore("job", dist.TCPStore(HOST, port, is_master=False))
         if self.kind == "prefix_nested":
-            return dist.PrefixStore("a", dist.PrefixStore("b/", dist.TCPStore(HOST, self.port, is_master=False)))
+            return dist.PrefixStore("a", dist.PrefixStore("b/", dist.TCPStore(HOST, port, is_master=False)))
         if self.kind == "file":
             return dist.FileStore(self.path, -1)
         if self.kind == "prefix_file":  # what init_process_group("file://...") hands out
@@ -236,7 +239,7 @@ def run_group(
 # torch 2.14) hold the GIL while they wait for the server's answer, so a forwarder on a
 # thread of the test's process could never pass that answer on.
 _GATE = r"""
-import contextlib, socket, sys, threading
+import contextlib, socket, sys, threading, time
 
 host, target = sys.argv[1], int(sys.argv[2])
 listener = socket.create_server((host, 0), backlog=1)
@@ -244,11 +247,14 @@ port = listener.getsockname()[1]
 is_open = threading.Event()
 acceptor = None
 wakers = []
+hold = 0.0  # seconds each chunk from the server waits before it is passed on ("slow")
 
 
-def pump(src, dst):
+def pump(src, dst, from_server=False):
     try:
         while data := src.recv(65536):
+            if from_server and hold:
+                time.sleep(hold)
             dst.sendall(data)
     except OSError:
         pass
@@ -262,8 +268,8 @@ def forward(conn):
     except OSError:
         conn.close()
         return
-    for src, dst in ((conn, up), (up, conn)):
-        threading.Thread(target=pump, args=(src, dst), daemon=True).start()
+    for src, dst, from_server in ((conn, up, False), (up, conn, True)):
+        threading.Thread(target=pump, args=(src, dst, from_server), daemon=True).start()
 
 
 def accept():
@@ -305,6 +311,8 @@ for line in sys.stdin:
     elif command == "close":
         is_open.clear()
         listener.close()
+    elif command.startswith("slow "):
+        hold = float(command.split()[1])
     print("ok", flush=True)
 """
 
@@ -314,7 +322,7 @@ class Gate:
     (:attr:`port`), in a child process. While open it passes every connection on; :meth:`shut`
     stops it taking new ones (its accept queue fills, so a new connection hangs in the TCP
     handshake, as to a server that no longer answers) while the connections already made
-    carry on."""
+    carry on; :meth:`slow` delays the server's answers."""
 
     def __init__(self, port: int) -> None:
         import subprocess
@@ -350,6 +358,11 @@ class Gate:
             with contextlib.suppress(BlockingIOError):
                 sock.connect((HOST, self.port))
             self._fill.append(sock)
+
+    def slow(self, seconds: float) -> None:
+        """Hold everything the server sends, on every connection, ``seconds`` before passing it
+        on: a server that answers late (0 makes it prompt again)."""
+        self._command(f"slow {seconds}")
 
     def close(self) -> None:
         """Stop for good (the connections already made stay, until the gate's process ends)."""

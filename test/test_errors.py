@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from helpers import HOST, CppStoreCollectives, DictStore, Stores, make, run_ranks
+from helpers import HOST, CppStoreCollectives, DictStore, Gate, Stores, make, run_ranks
 
 import torch_ctrl
 from torch_ctrl import CollectiveTimeoutError, KeyReusedError
@@ -229,6 +229,37 @@ def test_a_timeout_does_not_release_ranks_still_waiting(impl: str, op: str, kind
         return None
 
     assert run_ranks(world, fn)[2] >= 2.4
+
+
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+@pytest.mark.parametrize("op", ["barrier", "all_gather"])
+def test_a_slow_server_still_counts_arrivals(impl: str, op: str, kind: str) -> None:
+    """Rank 0 reaches the server through a gate that holds every answer 0.4 s, longer than the
+    quiet read of the op's counter waits for its get (QUIET_WAIT, 0.25 s). As it times out, its
+    count of arrivals falls back to a plain read: it names rank 2 as the one missing, as rank
+    1 does, and reports no other failure."""
+    from torch_ctrl import lanes
+
+    assert lanes.QUIET_WAIT < 0.4
+    stores, world = Stores(kind), 3
+    gate = Gate(stores.port)
+    try:
+        gate.slow(0.4)
+
+        def fn(rank):
+            if rank == 2:
+                return None
+            coll = make(impl, stores.client(rank, gate.port if rank == 0 else None), rank, world)
+            with pytest.raises(CollectiveTimeoutError) as info:
+                coll.barrier("k", 4.0) if op == "barrier" else coll.all_gather("k", b"x", 4.0)
+            coll.close()
+            return str(info.value)
+
+        out = run_ranks(world, fn)
+    finally:
+        gate.close()
+    for rank in (0, 1):
+        assert "2/3 ranks arrived; missing ranks: [2]" in out[rank], (rank, out[rank])
 
 
 def test_missing_ranks_list_is_capped(impl: str) -> None:
