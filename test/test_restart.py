@@ -1,6 +1,7 @@
 """A TCPStore server that restarts mid-job: collectives recover on new connections, and so
 does each instance's background work (cleanup, abort polling, naming): keys stay bounded and
-an abort still wakes a blocked peer within a second."""
+an abort still wakes a blocked peer within a second. A server that answers late: every op
+completes and cleans up."""
 
 from __future__ import annotations
 
@@ -103,6 +104,44 @@ def test_close_does_not_wait_for_cleanup_once_the_server_is_gone(impl: str) -> N
     # Before: about 2 s per queued task (a reconnect each), 10 s or more here. Now only a
     # reconnect already under way when close() is called ends first (about 2 s).
     assert time.monotonic() - start < 3.5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+def test_every_op_completes_and_cleans_up_on_a_server_that_answers_late(impl: str, kind: str) -> None:
+    """Rank 0 reaches the server through a gate that holds every answer 0.3 s (longer than
+    the 0.25 s a quiet read's get waits, and than the 0.05 s under which a barrier's return
+    counts as its deadline): every op still returns the right value on every rank, and once
+    the instances are closed no key is left."""
+    stores, world = Stores(kind), 3
+    gate = Gate(stores.port)
+    gate.slow(0.3)
+
+    def fn(rank: int) -> None:
+        coll = make(impl, stores.client(rank, gate.port if rank == 0 else None), rank, world)
+        coll.barrier("b", 30)
+        if rank == 0:
+            coll.broadcast_send("bc", b"v", 30)
+        else:
+            assert coll.broadcast_recv("bc", 30) == b"v"
+        if rank == 1:
+            assert coll.gather_recv("g", b"1", 30) == [b"0", b"1", b"2"]
+        else:
+            coll.gather_send("g", b"%d" % rank, 30)
+        if rank == 2:
+            assert coll.scatter_send("s", [b"a", b"b", b"c"], 30) == b"c"
+        else:
+            assert coll.scatter_recv("s", 30) == b"ab"[rank : rank + 1]
+        assert coll.all_gather("ag", b"%d" % rank, 30) == [b"0", b"1", b"2"]
+        assert coll.all_sum("as", rank + 1, 30) == 6
+        coll.barrier("nb", 30, block=rank != 1)
+        coll.close(flush_timeout=30)
+
+    try:
+        run_ranks(world, fn, timeout=100)
+    finally:
+        gate.close()
+    assert stores.admin.num_keys() == 0
 
 
 @pytest.mark.timeout(120)
