@@ -49,6 +49,19 @@ constexpr double kMinConnect = 0.1;
 // for the deadline (several waiters that time out together may return normally): the counter
 // is then read quietly and trusted over the return.
 constexpr double kAtDeadline = 0.05;
+// Twins of POLL_CAP, POLL_CAP_MAX, POLL_BUDGET: after an early release from TCPStore's barrier
+// every rank released polls the counter (see until_counted), pausing from 1 ms, doubling, up to
+// kPollCap; in a large group up to world / kPollBudget seconds (at most kPollCapMax), so that
+// the group's polls together stay near kPollBudget per second instead of growing with the
+// world size.
+constexpr double kPollCap = 0.05;
+constexpr double kPollCapMax = 0.5;
+constexpr double kPollBudget = 4000.0;
+
+// Twin of poll_cap: the longest pause between a released rank's polls of its barrier's counter.
+double poll_cap(int64_t world) {
+  return std::min(kPollCapMax, std::max(kPollCap, static_cast<double>(world) / kPollBudget));
+}
 
 int64_t wrap_sum(const std::vector<int64_t>& values) {
   uint64_t total = 0;
@@ -585,13 +598,15 @@ std::optional<std::string> StoreCollectives::until_counted(const Op& op, Lane& l
   // block=false (a plain add) releases them early. Then poll the counter until the count is
   // complete, the group is aborted, or the deadline passes. Polls read it quietly, and so
   // does the first read at the deadline: a compare_set would release the ranks still
-  // waiting, and they would poll too (a storm of requests at scale).
+  // waiting, and they would poll too (a storm of requests at scale). The pauses grow to
+  // poll_cap(world): in a large group, every rank released polls.
   std::string key = op.key(K::kBarrier);
   auto counter = op.left() >= kAtDeadline ? lane.peek(key) : lane.peek_quietly(key);
   auto short_of = [this, &op, &key](const std::optional<std::string>& value) {
     return value && decode(op, key, [&] { return K::parse_counter(*value); }) < world_;
   };
   double pause = 0.001;
+  const double cap = poll_cap(world_);
   while (short_of(counter)) {
     if (auto notice = watcher_->notice()) {
       raise_abort(op, *notice);
@@ -600,7 +615,7 @@ std::optional<std::string> StoreCollectives::until_counted(const Op& op, Lane& l
       throw std::runtime_error("barrier timeout");
     }
     std::this_thread::sleep_for(std::chrono::duration<double>(std::min(pause, op.left())));
-    pause = std::min(pause * 2, 0.05);
+    pause = std::min(pause * 2, cap);
     counter = lane.peek_quietly(key);
   }
   return counter;

@@ -248,13 +248,17 @@ is_open = threading.Event()
 acceptor = None
 wakers = []
 hold = 0.0  # seconds each chunk from the server waits before it is passed on ("slow")
+sent = 0  # chunks passed on from clients to the server since the last "count"
 
 
 def pump(src, dst, from_server=False):
+    global sent
     try:
         while data := src.recv(65536):
             if from_server and hold:
                 time.sleep(hold)
+            elif not from_server:
+                sent += 1
             dst.sendall(data)
     except OSError:
         pass
@@ -313,6 +317,10 @@ for line in sys.stdin:
         listener.close()
     elif command.startswith("slow "):
         hold = float(command.split()[1])
+    elif command == "count":
+        print("ok", sent, flush=True)
+        sent = 0
+        continue
     print("ok", flush=True)
 """
 
@@ -322,7 +330,7 @@ class Gate:
     (:attr:`port`), in a child process. While open it passes every connection on; :meth:`shut`
     stops it taking new ones (its accept queue fills, so a new connection hangs in the TCP
     handshake, as to a server that no longer answers) while the connections already made
-    carry on; :meth:`slow` delays the server's answers."""
+    carry on; :meth:`slow` delays the server's answers, :meth:`count` counts requests."""
 
     def __init__(self, port: int) -> None:
         import subprocess
@@ -334,11 +342,12 @@ class Gate:
         self.port = int(self._proc.stdout.readline())  # type: ignore[union-attr]
         self._fill: list[Any] = []
 
-    def _command(self, command: str) -> None:
+    def _command(self, command: str) -> str:
         self._proc.stdin.write(command + "\n")  # type: ignore[union-attr]
         self._proc.stdin.flush()  # type: ignore[union-attr]
         answer = self._proc.stdout.readline().strip()  # type: ignore[union-attr]
-        assert answer == "ok", answer or "the gate's process ended"
+        assert answer.split(" ")[0] == "ok", answer or "the gate's process ended"
+        return answer[3:]
 
     def open(self) -> None:
         """Pass new connections on again (the ones queued meanwhile first)."""
@@ -358,6 +367,11 @@ class Gate:
             with contextlib.suppress(BlockingIOError):
                 sock.connect((HOST, self.port))
             self._fill.append(sock)
+
+    def count(self) -> int:
+        """How many chunks the clients sent through the gate since the last count: about one per
+        request (a request that waits for its answer is never sent together with the next)."""
+        return int(self._command("count"))
 
     def slow(self, seconds: float) -> None:
         """Hold everything the server sends, on every connection, ``seconds`` before passing it

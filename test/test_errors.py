@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -260,6 +261,48 @@ def test_a_slow_server_still_counts_arrivals(impl: str, op: str, kind: str) -> N
         gate.close()
     for rank in (0, 1):
         assert "2/3 ranks arrived; missing ranks: [2]" in out[rank], (rank, out[rank])
+
+
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+def test_ranks_released_early_poll_less_in_a_large_group(impl: str, kind: str) -> None:
+    """A group of 4000 where rank 0 waits in the barrier, rank 1 arrives with block=False (a
+    plain add: TCPStore releases rank 0 early) and the rest never come. Rank 0 then polls the
+    counter until its deadline; in a group this large every rank released would, so its pauses
+    grow to 0.5 s (poll_cap), not 50 ms: about 15 polls in 3 s where it made about 65. Counted
+    at a gate: its requests to the server, polls and the timeout's report together."""
+    from torch_ctrl import store_collectives
+
+    if not hasattr(dist.TCPStore, "barrier"):
+        pytest.skip("no server-side barrier before torch 2.12: no early release")
+    world = 4000
+    assert store_collectives.poll_cap(world) == 0.5 and store_collectives.poll_cap(8) == 0.05
+    stores = Stores(kind)
+    gate = Gate(stores.port)
+    counter = ("job/" if kind == "prefix" else "") + K.field(K.op_prefix(world, "k", -1), K.BARRIER)
+    try:
+        waiting = make(impl, stores.client(0, gate.port), 0, world)
+        arriving = make(impl, stores.client(1), 1, world)
+        out: list = []
+        blocked = threading.Thread(target=lambda: out.append(_timeout_text(waiting, 3.0)), daemon=True)
+        gate.count()
+        blocked.start()
+        while not stores.server.check([counter]):  # rank 0 is in the server's barrier
+            time.sleep(0.001)
+        arriving.barrier("k", 3.0, block=False)  # releases rank 0 early
+        blocked.join(30)
+        requests = gate.count()
+        for coll in (waiting, arriving):
+            coll.close()
+    finally:
+        gate.close()
+    assert "2/4000 ranks arrived" in out[0], out
+    assert requests < 100, requests  # 57 on torch 2.13; with 50 ms pauses, 208
+
+
+def _timeout_text(coll, seconds: float) -> str:  # noqa: ANN001
+    with pytest.raises(CollectiveTimeoutError) as info:
+        coll.barrier("k", seconds)
+    return str(info.value)
 
 
 def test_missing_ranks_list_is_capped(impl: str) -> None:

@@ -57,6 +57,18 @@ MIN_CONNECT = 0.1
 # (several waiters that time out together may return normally): the counter is then read
 # quietly and trusted over the return.
 AT_DEADLINE = 0.05
+# After an early release from TCPStore's barrier every rank released polls the counter (see
+# _until_counted), pausing from 1 ms, doubling, up to POLL_CAP; in a large group up to
+# world / POLL_BUDGET seconds (at most POLL_CAP_MAX), so that the group's polls together stay
+# near POLL_BUDGET per second (each a check and a get) instead of growing with the world size.
+POLL_CAP = 0.05
+POLL_CAP_MAX = 0.5
+POLL_BUDGET = 4000.0
+
+
+def poll_cap(world: int) -> float:
+    """The longest pause between a released rank's polls of its barrier's counter, in seconds."""
+    return min(POLL_CAP_MAX, max(POLL_CAP, world / POLL_BUDGET))
 
 
 @dataclass
@@ -532,18 +544,19 @@ class PyStoreCollectives(ControlCollectives):
         Then poll the counter until the count is complete, the group is aborted, or the
         deadline passes. Polls read it quietly, and so does the first read at the deadline: a
         ``compare_set`` would release the ranks still waiting, and they would poll too (a
-        storm of requests at scale).
+        storm of requests at scale). The pauses grow to ``poll_cap(world)``: in a large group,
+        every rank released polls.
         """
         key = op.key(K.BARRIER)
         counter = lane.peek(key) if op.left() >= AT_DEADLINE else lane.peek_quietly(key)
-        pause = 0.001
+        pause, cap = 0.001, poll_cap(self._world)
         while counter is not None and self._decode(op, key, K.parse_counter, counter) < self._world:
             if self._watcher.notice is not None:
                 self._raise_abort(op, self._watcher.notice)
             if op.left() <= 0:
                 raise TimeoutError("barrier timeout")
             time.sleep(min(pause, op.left()))
-            pause = min(pause * 2, 0.05)
+            pause = min(pause * 2, cap)
             counter = lane.peek_quietly(key)
         return counter
 
