@@ -257,9 +257,9 @@ def pump(src, dst, from_server=False):
         while data := src.recv(65536):
             if from_server and hold:
                 time.sleep(hold)
-            elif not from_server:
-                sent += 1
             dst.sendall(data)
+            if not from_server:  # counted once passed on: the server has it
+                sent += 1
     except OSError:
         pass
     with contextlib.suppress(OSError):

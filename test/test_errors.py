@@ -299,6 +299,49 @@ def test_ranks_released_early_poll_less_in_a_large_group(impl: str, kind: str) -
     assert requests < 100, requests  # 57 on torch 2.13; with 50 ms pauses, 208
 
 
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+def test_polls_after_an_early_release_do_not_release_others(impl: str, kind: str) -> None:
+    """Rank 0 waits in the barrier; rank 1 arrives with block=False, which releases rank 0
+    early, and rank 0 polls the counter until its deadline (5 s). Once it has begun (its
+    requests are counted at a gate), a third party enters TCPStore's own barrier on the
+    counter for 2 s. Rank 0's polls must leave it there: a compare_set poll would release it
+    at once."""
+    if not hasattr(dist.TCPStore, "barrier"):
+        pytest.skip("no server-side barrier before torch 2.12: no early release")
+    stores, world = Stores(kind), 4
+    gate = Gate(stores.port)
+    counter = ("job/" if kind == "prefix" else "") + K.field(K.op_prefix(world, "k", -1), K.BARRIER)
+    try:
+        waiting = make(impl, stores.client(0, gate.port), 0, world)
+        arriving = make(impl, stores.client(1), 1, world)
+        third = dist.TCPStore(HOST, stores.port, is_master=False, timeout=timedelta(seconds=2))
+        out: list = []
+        blocked = threading.Thread(target=lambda: out.append(_timeout_text(waiting, 5.0)), daemon=True)
+        blocked.start()
+        while not stores.server.check([counter]):  # rank 0 is in the server's barrier
+            time.sleep(0.001)
+        gate.count()
+        arriving.barrier("k", 5.0, block=False)  # releases rank 0 early
+        seen = 0
+        while seen < 4:  # its first read of the counter, and a quiet poll (check, wait, get)
+            seen += gate.count()
+            time.sleep(0.001)
+        start = time.monotonic()
+        try:
+            third.barrier(counter, world)
+            released = True  # returned without its 4 arrivals: a poll woke it
+        except dist.DistStoreError:
+            released = False
+        held = time.monotonic() - start
+        blocked.join(30)
+        for coll in (waiting, arriving):
+            coll.close()
+    finally:
+        gate.close()
+    assert "timed out after 5s" in out[0], out
+    assert not released and held >= 1.9, f"the third party was released after {held:.2f} s"
+
+
 def _timeout_text(coll, seconds: float) -> str:  # noqa: ANN001
     with pytest.raises(CollectiveTimeoutError) as info:
         coll.barrier("k", seconds)
