@@ -614,7 +614,7 @@ std::optional<std::string> StoreCollectives::until_counted(const Op& op, Lane& l
     if (op.left() <= 0) {
       throw std::runtime_error("barrier timeout");
     }
-    std::this_thread::sleep_for(std::chrono::duration<double>(std::min(pause, op.left())));
+    watcher_->pause(std::min(pause, op.left()));  // an abort ends the pause
     pause = std::min(pause * 2, cap);
     counter = lane.peek_quietly(key);
   }

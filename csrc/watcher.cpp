@@ -135,6 +135,12 @@ std::optional<std::string> Watcher::notice() {
   return state_->notice;
 }
 
+std::optional<std::string> Watcher::pause(double seconds) {
+  std::unique_lock<std::mutex> lock(state_->mutex);
+  state_->cv.wait_for(lock, secs(seconds), [this] { return state_->notice.has_value(); });
+  return state_->notice;
+}
+
 bool Watcher::flush(double timeout) {
   auto end = Clock::now() + secs(timeout);
   std::unique_lock<std::mutex> lock(state_->mutex);

@@ -57,6 +57,8 @@ class Watcher {
   // The group is aborted: remember the first notice and wake every blocked caller.
   void aborted(const std::string& notice);
   std::optional<std::string> notice();
+  // Sleep up to `seconds`, less if the group is aborted meanwhile; the abort notice, if any.
+  std::optional<std::string> pause(double seconds);
   const std::string& abort_key() const { return abort_key_; }
 
   // RAII: marks the caller as blocked in a collective whose NAMES log is

@@ -342,6 +342,48 @@ def test_polls_after_an_early_release_do_not_release_others(impl: str, kind: str
     assert not released and held >= 1.9, f"the third party was released after {held:.2f} s"
 
 
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+def test_an_abort_ends_the_pause_between_polls(impl: str, kind: str) -> None:
+    """Rank 0 of a group of 4000, released early by a block=False arrival, polls the counter with
+    pauses grown to 0.5 s. An abort (here from another thread, on its own instance) must end
+    the pause at once, not when it runs out."""
+    if not hasattr(dist.TCPStore, "barrier"):
+        pytest.skip("no server-side barrier before torch 2.12: no early release")
+    stores, world = Stores(kind), 4000
+    gate = Gate(stores.port)
+    counter = ("job/" if kind == "prefix" else "") + K.field(K.op_prefix(world, "k", -1), K.BARRIER)
+    try:
+        waiting = make(impl, stores.client(0, gate.port), 0, world)
+        arriving = make(impl, stores.client(1), 1, world)
+        out: list = []
+
+        def blocked() -> None:
+            with pytest.raises(torch_ctrl.CollectiveAbortedError) as info:
+                waiting.barrier("k", 60.0)
+            out.append((time.monotonic(), str(info.value)))
+
+        thread = threading.Thread(target=blocked, daemon=True)
+        thread.start()
+        while not stores.server.check([counter]):  # rank 0 is in the server's barrier
+            time.sleep(0.001)
+        gate.count()
+        arriving.barrier("k", 60.0, block=False)  # releases rank 0 early
+        seen = 0
+        while seen < 36:  # about 12 polls (check, wait, get): the pauses have grown to 0.5 s
+            seen += gate.count()
+            time.sleep(0.001)
+        aborted_at = time.monotonic()
+        waiting.abort("stop")
+        thread.join(30)
+        for coll in (waiting, arriving):
+            coll.close()
+    finally:
+        gate.close()
+    when, text = out[0]
+    assert "group aborted by rank 0: stop" in text, text
+    assert when - aborted_at < 0.2, when - aborted_at  # a pause of up to 0.5 s ran out before
+
+
 def _timeout_text(coll, seconds: float) -> str:  # noqa: ANN001
     with pytest.raises(CollectiveTimeoutError) as info:
         coll.barrier("k", seconds)

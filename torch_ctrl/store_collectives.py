@@ -555,7 +555,7 @@ class PyStoreCollectives(ControlCollectives):
                 self._raise_abort(op, self._watcher.notice)
             if op.left() <= 0:
                 raise TimeoutError("barrier timeout")
-            time.sleep(min(pause, op.left()))
+            self._watcher.pause(min(pause, op.left()))  # an abort ends the pause
             pause = min(pause * 2, cap)
             counter = lane.peek_quietly(key)
         return counter

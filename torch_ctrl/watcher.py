@@ -238,6 +238,14 @@ class Watcher:
             self._start()
             self._cv.notify_all()
 
+    def pause(self, seconds: float) -> bytes | None:
+        """Sleep up to ``seconds``, less if the group is aborted meanwhile; the abort notice, if any."""
+        end = time.monotonic() + seconds
+        with self._cv:
+            while self.notice is None and (left := end - time.monotonic()) > 0:
+                self._cv.wait(left)
+            return self.notice
+
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every submitted task has run; False on timeout."""
         end = time.monotonic() + timeout
