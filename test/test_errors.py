@@ -263,131 +263,110 @@ def test_a_slow_server_still_counts_arrivals(impl: str, op: str, kind: str) -> N
         assert "2/3 ranks arrived; missing ranks: [2]" in out[rank], (rank, out[rank])
 
 
+class _ReleasedEarly:
+    """Rank 0 waits in barrier ``"k"`` (``seconds``, expecting the error ``expected``), its
+    connections through a gate; once it is in TCPStore's barrier, rank 1 arrives with
+    ``block=False`` (a plain add), which releases it early, and it polls the counter. The
+    gate's count starts just before rank 1's arrival. ``out`` gets rank 0's
+    ``(time, error text)``."""
+
+    def __init__(self, impl: str, kind: str, world: int, seconds: float, expected: type) -> None:
+        if not hasattr(dist.TCPStore, "barrier"):
+            pytest.skip("no server-side barrier before torch 2.12: no early release")
+        self.stores, self.world = Stores(kind), world
+        self.counter = ("job/" if kind == "prefix" else "") + K.field(K.op_prefix(world, "k", -1), K.BARRIER)
+        self.gate = Gate(self.stores.port)
+        try:
+            self._start(impl, world, seconds, expected)
+        except BaseException:
+            self.gate.close()
+            raise
+
+    def _start(self, impl: str, world: int, seconds: float, expected: type) -> None:
+        self.waiting = make(impl, self.stores.client(0, self.gate.port), 0, world)
+        self.arriving = make(impl, self.stores.client(1), 1, world)
+        self.out: list = []
+
+        def blocked() -> None:
+            with pytest.raises(expected) as info:
+                self.waiting.barrier("k", seconds)
+            self.out.append((time.monotonic(), str(info.value)))
+
+        self.thread = threading.Thread(target=blocked, daemon=True)
+        self.thread.start()
+        while not self.stores.server.check([self.counter]):  # rank 0 is in the server's barrier
+            time.sleep(0.001)
+        self.gate.count()
+        self.arriving.barrier("k", seconds, block=False)  # releases rank 0 early
+
+    def requests_at_least(self, n: int) -> None:
+        """Until rank 0 has sent ``n`` requests since it was released."""
+        seen = 0
+        while seen < n:
+            seen += self.gate.count()
+            time.sleep(0.001)
+
+    def end(self) -> str:
+        """Rank 0's error, once it has returned; the instances and the gate closed."""
+        try:
+            self.thread.join(30)
+            for coll in (self.waiting, self.arriving):
+                coll.close()
+        finally:
+            self.gate.close()
+        return self.out[0][1]
+
+
 @pytest.mark.parametrize("kind", ["tcp", "prefix"])
 def test_ranks_released_early_poll_less_in_a_large_group(impl: str, kind: str) -> None:
-    """A group of 4000 where rank 0 waits in the barrier, rank 1 arrives with block=False (a
-    plain add: TCPStore releases rank 0 early) and the rest never come. Rank 0 then polls the
-    counter until its deadline; in a group this large every rank released would, so its pauses
-    grow to 0.5 s (poll_cap), not 50 ms: about 15 polls in 3 s where it made about 65. Counted
-    at a gate: its requests to the server, polls and the timeout's report together."""
+    """In a group of 4000, rank 0 released early polls the counter until its deadline; in a
+    group this large every rank released would, so its pauses grow to 0.5 s (poll_cap), not
+    50 ms: about 15 polls in 3 s where it made about 65. Counted at the gate: its requests to
+    the server from the release on, polls and the timeout's report together."""
     from torch_ctrl import store_collectives
 
-    if not hasattr(dist.TCPStore, "barrier"):
-        pytest.skip("no server-side barrier before torch 2.12: no early release")
-    world = 4000
-    assert store_collectives.poll_cap(world) == 0.5 and store_collectives.poll_cap(8) == 0.05
-    stores = Stores(kind)
-    gate = Gate(stores.port)
-    counter = ("job/" if kind == "prefix" else "") + K.field(K.op_prefix(world, "k", -1), K.BARRIER)
-    try:
-        waiting = make(impl, stores.client(0, gate.port), 0, world)
-        arriving = make(impl, stores.client(1), 1, world)
-        out: list = []
-        blocked = threading.Thread(target=lambda: out.append(_timeout_text(waiting, 3.0)), daemon=True)
-        gate.count()
-        blocked.start()
-        while not stores.server.check([counter]):  # rank 0 is in the server's barrier
-            time.sleep(0.001)
-        arriving.barrier("k", 3.0, block=False)  # releases rank 0 early
-        blocked.join(30)
-        requests = gate.count()
-        for coll in (waiting, arriving):
-            coll.close()
-    finally:
-        gate.close()
-    assert "2/4000 ranks arrived" in out[0], out
-    assert requests < 100, requests  # 57 on torch 2.13; with 50 ms pauses, 208
+    assert store_collectives.poll_cap(4000) == 0.5 and store_collectives.poll_cap(8) == 0.05
+    early = _ReleasedEarly(impl, kind, 4000, 3.0, CollectiveTimeoutError)
+    early.thread.join(30)
+    requests = early.gate.count()
+    text = early.end()
+    assert "2/4000 ranks arrived" in text, text
+    assert requests < 100, requests  # 56 on torch 2.13; with 50 ms pauses, over 200
 
 
 @pytest.mark.parametrize("kind", ["tcp", "prefix"])
 def test_polls_after_an_early_release_do_not_release_others(impl: str, kind: str) -> None:
-    """Rank 0 waits in the barrier; rank 1 arrives with block=False, which releases rank 0
-    early, and rank 0 polls the counter until its deadline (5 s). Once it has begun (its
-    requests are counted at a gate), a third party enters TCPStore's own barrier on the
-    counter for 2 s. Rank 0's polls must leave it there: a compare_set poll would release it
-    at once."""
-    if not hasattr(dist.TCPStore, "barrier"):
-        pytest.skip("no server-side barrier before torch 2.12: no early release")
-    stores, world = Stores(kind), 4
-    gate = Gate(stores.port)
-    counter = ("job/" if kind == "prefix" else "") + K.field(K.op_prefix(world, "k", -1), K.BARRIER)
+    """Rank 0, released early, polls the counter until its deadline (5 s). Once it has begun,
+    a third party enters TCPStore's own barrier on the counter for 2 s. Rank 0's polls must
+    leave it there: a compare_set poll would release it at once."""
+    early = _ReleasedEarly(impl, kind, 4, 5.0, CollectiveTimeoutError)
+    third = dist.TCPStore(HOST, early.stores.port, is_master=False, timeout=timedelta(seconds=2))
+    early.requests_at_least(4)  # its first read of the counter, and a quiet poll (check, wait, get)
+    start = time.monotonic()
     try:
-        waiting = make(impl, stores.client(0, gate.port), 0, world)
-        arriving = make(impl, stores.client(1), 1, world)
-        third = dist.TCPStore(HOST, stores.port, is_master=False, timeout=timedelta(seconds=2))
-        out: list = []
-        blocked = threading.Thread(target=lambda: out.append(_timeout_text(waiting, 5.0)), daemon=True)
-        blocked.start()
-        while not stores.server.check([counter]):  # rank 0 is in the server's barrier
-            time.sleep(0.001)
-        gate.count()
-        arriving.barrier("k", 5.0, block=False)  # releases rank 0 early
-        seen = 0
-        while seen < 4:  # its first read of the counter, and a quiet poll (check, wait, get)
-            seen += gate.count()
-            time.sleep(0.001)
-        start = time.monotonic()
-        try:
-            third.barrier(counter, world)
-            released = True  # returned without its 4 arrivals: a poll woke it
-        except dist.DistStoreError:
-            released = False
-        held = time.monotonic() - start
-        blocked.join(30)
-        for coll in (waiting, arriving):
-            coll.close()
-    finally:
-        gate.close()
-    assert "timed out after 5s" in out[0], out
+        third.barrier(early.counter, early.world)
+        released = True  # returned without its 4 arrivals: a poll woke it
+    except dist.DistStoreError:
+        released = False
+    held = time.monotonic() - start
+    text = early.end()
+    assert "timed out after 5s" in text, text
     assert not released and held >= 1.9, f"the third party was released after {held:.2f} s"
 
 
 @pytest.mark.parametrize("kind", ["tcp", "prefix"])
 def test_an_abort_ends_the_pause_between_polls(impl: str, kind: str) -> None:
-    """Rank 0 of a group of 4000, released early by a block=False arrival, polls the counter with
-    pauses grown to 0.5 s. An abort (here from another thread, on its own instance) must end
-    the pause at once, not when it runs out."""
-    if not hasattr(dist.TCPStore, "barrier"):
-        pytest.skip("no server-side barrier before torch 2.12: no early release")
-    stores, world = Stores(kind), 4000
-    gate = Gate(stores.port)
-    counter = ("job/" if kind == "prefix" else "") + K.field(K.op_prefix(world, "k", -1), K.BARRIER)
-    try:
-        waiting = make(impl, stores.client(0, gate.port), 0, world)
-        arriving = make(impl, stores.client(1), 1, world)
-        out: list = []
-
-        def blocked() -> None:
-            with pytest.raises(torch_ctrl.CollectiveAbortedError) as info:
-                waiting.barrier("k", 60.0)
-            out.append((time.monotonic(), str(info.value)))
-
-        thread = threading.Thread(target=blocked, daemon=True)
-        thread.start()
-        while not stores.server.check([counter]):  # rank 0 is in the server's barrier
-            time.sleep(0.001)
-        gate.count()
-        arriving.barrier("k", 60.0, block=False)  # releases rank 0 early
-        seen = 0
-        while seen < 36:  # about 12 polls (check, wait, get): the pauses have grown to 0.5 s
-            seen += gate.count()
-            time.sleep(0.001)
-        aborted_at = time.monotonic()
-        waiting.abort("stop")
-        thread.join(30)
-        for coll in (waiting, arriving):
-            coll.close()
-    finally:
-        gate.close()
-    when, text = out[0]
+    """Rank 0 of a group of 4000, released early, polls the counter with pauses grown to
+    0.5 s. An abort (here from another thread, on its own instance) must end the pause at
+    once, not when it runs out."""
+    early = _ReleasedEarly(impl, kind, 4000, 60.0, torch_ctrl.CollectiveAbortedError)
+    early.requests_at_least(36)  # about 12 polls (check, wait, get): the pauses have grown to 0.5 s
+    aborted_at = time.monotonic()
+    early.waiting.abort("stop")
+    text = early.end()
     assert "group aborted by rank 0: stop" in text, text
-    assert when - aborted_at < 0.2, when - aborted_at  # a pause of up to 0.5 s ran out before
-
-
-def _timeout_text(coll, seconds: float) -> str:  # noqa: ANN001
-    with pytest.raises(CollectiveTimeoutError) as info:
-        coll.barrier("k", seconds)
-    return str(info.value)
+    took = early.out[0][0] - aborted_at
+    assert took < 0.2, took  # a pause of up to 0.5 s ran out before
 
 
 def test_missing_ranks_list_is_capped(impl: str) -> None:
