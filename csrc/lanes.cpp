@@ -364,11 +364,22 @@ std::optional<std::string> Lane::peek(const std::string& key) {
 
 std::vector<std::optional<std::string>> Lane::peek_many(const std::vector<std::string>& keys) {
   std::vector<std::optional<std::string>> out;
-  if (store->check(keys)) {
-    for (const auto& v : store->multiGet(keys)) {
-      out.emplace_back(str(v));
+  if (!deletes) {  // keys never vanish
+    if (store->check(keys)) {
+      for (const auto& v : store->multiGet(keys)) {
+        out.emplace_back(str(v));
+      }
+      return out;
     }
-    return out;
+  } else if (owned && !polled && store->check(keys)) {
+    try {
+      for (auto& v : multi_get(keys, kQuietWait)) {
+        out.emplace_back(std::move(v));
+      }
+      return out;
+    } catch (const std::exception&) {
+      out.clear();  // deleted after the check (a lost connection: peek throws)
+    }
   }
   for (const auto& k : keys) {
     out.push_back(peek(k));

@@ -68,7 +68,9 @@ struct Lane {
   // Write `value` unless a value was written first; return the value that stands (without
   // compare_set: a later caller waits up to 1 s for the first caller's write).
   std::string claim(const std::string& key, const std::string& value);
-  // peek several keys: one check and one multi_get when all exist.
+  // peek several keys: one check and one multi_get when all exist; where keys can vanish, the
+  // multi_get waits kQuietWait on the lane's own connection, then one peek per key (as on
+  // shared clients and polled stores): a key deleted after the check would hold it otherwise.
   std::vector<std::optional<std::string>> peek_many(const std::vector<std::string>& keys);
   void append(const std::string& key, const std::string& value);
   void multi_set(const std::vector<std::string>& keys, const std::vector<std::string>& values);

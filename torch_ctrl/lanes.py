@@ -498,9 +498,19 @@ class Lane:
         return stands or value
 
     def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        """``peek`` several keys: one check and one multi_get when all exist."""
-        if self.store.check(list(keys)):
-            return [bytes(v) for v in self.store.multi_get(list(keys))]
+        """``peek`` several keys: one check and one multi_get when all exist. A key deleted
+        between the two (a rank that closes drops its heartbeat) would hold a plain multi_get
+        for the store's whole timeout: where keys can vanish, the multi_get waits QUIET_WAIT on
+        the lane's own connection, then falls back to one peek per key, as on shared clients
+        and polled stores."""
+        if not self.deletes:  # keys never vanish
+            if self.store.check(list(keys)):
+                return [bytes(v) for v in self.store.multi_get(list(keys))]
+        elif self.owned and not self.polled and self.store.check(list(keys)):
+            try:
+                return [bytes(v) for v in self.multi_get(keys, QUIET_WAIT)]
+            except Exception:  # noqa: BLE001 - deleted after the check (a lost connection: peek raises)
+                pass
         return [self.peek(k) for k in keys]
 
     def append(self, key: str, value: bytes) -> None:
