@@ -855,20 +855,19 @@ void StoreCollectives::delete_when_full(const Op& op) {
   std::string counter = op.key(K::kBarrier);
   auto deadline = op.deadline;
   int world = world_;
-  watcher_->submit([counter, deadline, world](Lane& lane) {
-    double pause = 0.01;
-    while (true) {
-      auto value = lane.peek_quietly(counter);  // the blocking ranks wait on it in the server
-      if (!value || K::parse_counter(*value) >= world) {  // garbage: DecodeError ends the task
-        break;
-      }
-      if (std::chrono::steady_clock::now() > deadline || leaving()) {  // at exit the counter stays
-        return;
-      }
-      std::this_thread::sleep_for(std::chrono::duration<double>(pause));
-      pause = std::min(pause * 2, 1.0);
+  watcher_->retry([counter, deadline, world, pause = 0.01](Lane& lane) mutable -> std::optional<double> {
+    // One look per run: between runs the watcher beats, polls and cleans (Watcher::retry).
+    auto value = lane.peek_quietly(counter);  // the blocking ranks wait on it in the server
+    if (!value || K::parse_counter(*value) >= world) {  // garbage: DecodeError ends the task
+      lane.remove(counter);
+      return std::nullopt;
     }
-    lane.remove(counter);
+    if (std::chrono::steady_clock::now() > deadline || leaving()) {  // at exit the counter stays
+      return std::nullopt;
+    }
+    double wait = pause;
+    pause = std::min(pause * 2, 1.0);
+    return wait;
   });
 }
 

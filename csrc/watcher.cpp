@@ -46,6 +46,8 @@ struct Watcher::State {
   std::mutex mutex;
   std::condition_variable cv;
   std::deque<Task> tasks;
+  // Retry tasks waiting for their next run, earliest first.
+  std::multimap<Clock::time_point, Task> later;
   std::map<uint64_t, Entry> blocked;
   uint64_t next_id = 0;
   bool closed = false;
@@ -84,8 +86,7 @@ Watcher::Watcher(std::shared_ptr<Lanes> lanes, int rank, int world_size, std::op
 Watcher::~Watcher() {
   --live_watchers;
   std::unique_lock<std::mutex> lock(state_->mutex);
-  state_->closed = true;
-  state_->cv.notify_all();
+  close_locked(*state_);
   if (state_->thread.joinable()) {
     // Never join here: the destructor may run with the GIL held while the thread
     // waits for it inside a Python store. The thread owns a reference to State.
@@ -121,6 +122,21 @@ void Watcher::submit(Task task) {
   }
 }
 
+void Watcher::retry(Retry task) {
+  submit(retrying(state_, std::make_shared<Retry>(std::move(task))));
+}
+
+Task Watcher::retrying(std::weak_ptr<State> state, std::shared_ptr<Retry> task) {
+  return [state, task](Lane& lane) {
+    auto delay = (*task)(lane);
+    auto st = state.lock();
+    if (delay && st) {
+      std::lock_guard<std::mutex> lock(st->mutex);
+      st->later.emplace(Clock::now() + secs(*delay), retrying(state, task));
+    }
+  };
+}
+
 void Watcher::aborted(const std::string& notice) {
   std::lock_guard<std::mutex> lock(state_->mutex);
   if (!state_->notice) {
@@ -145,20 +161,29 @@ bool Watcher::flush(double timeout) {
   auto end = Clock::now() + secs(timeout);
   std::unique_lock<std::mutex> lock(state_->mutex);
   state_->cv.notify_all();
-  while (!state_->tasks.empty() || state_->busy) {
+  while (!state_->tasks.empty() || state_->busy || !state_->later.empty()) {
     if (!state_->running || state_->cv.wait_until(lock, end) == std::cv_status::timeout) {
-      return state_->tasks.empty();
+      return state_->tasks.empty() && state_->later.empty();
     }
   }
   return true;
+}
+
+void Watcher::close_locked(State& st) {
+  if (!st.closed && st.heartbeat) {
+    // A closed rank is not dead: its heartbeat goes first (peers skip missing ones), not after
+    // the cleanup, which may wait on other ranks for long (Watcher::retry).
+    st.tasks.push_front([key = st.hb_key](Lane& lane) { lane.drop_counter(key); });
+  }
+  st.closed = true;
+  st.cv.notify_all();
 }
 
 void Watcher::close(double flush_timeout) {
   std::thread thread;
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
-    state_->closed = true;
-    state_->cv.notify_all();
+    close_locked(*state_);
   }
   auto end = Clock::now() + secs(flush_timeout);
   std::unique_lock<std::mutex> lock(state_->mutex);
@@ -294,6 +319,13 @@ void Watcher::run(std::shared_ptr<State> st) {
     auto now = Clock::now();
     // Blocked callers are served (named, woken, polled for) until the process exits.
     bool serve = !leaving();
+    if (!serve) {  // at exit, cleanup that waits on other ranks stays undone
+      st->later.clear();
+    }
+    while (!st->later.empty() && st->later.begin()->first <= now) {
+      st->tasks.push_back(std::move(st->later.begin()->second));
+      st->later.erase(st->later.begin());
+    }
     std::vector<std::string> names;
     std::vector<Wake> wakes;
     std::optional<Clock::time_point> next;
@@ -335,13 +367,16 @@ void Watcher::run(std::shared_ptr<State> st) {
     if (now < st->active_until && !st->closed) {
       consider(now + secs(tick()));
     }
+    if (!st->later.empty()) {
+      consider(st->later.begin()->first);
+    }
     std::deque<Task> tasks;
     if (!st->tasks.empty()) {
       tasks.push_back(std::move(st->tasks.front()));
       st->tasks.pop_front();
     }
     if (tasks.empty() && names.empty() && wakes.empty() && !do_poll && !do_beat) {
-      if (st->closed && !waiting) {
+      if (st->closed && !waiting && st->later.empty()) {
         break;
       }
       st->wake_at = next;
@@ -406,18 +441,10 @@ void Watcher::run(std::shared_ptr<State> st) {
       // Closing, and the connection is lost: what is left to clean stays (as after a crash)
       // rather than close() waiting out a reconnect per task.
       st->tasks.clear();
+      st->later.clear();
     }
     st->busy = false;
     st->cv.notify_all();
-  }
-  if (st->heartbeat) {
-    // A closed rank is not dead: drop its heartbeat (peers skip missing ones).
-    lock.unlock();
-    try {
-      lane->drop_counter(st->hb_key);
-    } catch (const std::exception&) {
-    }
-    lock.lock();
   }
   st->running = false;
   st->cv.notify_all();

@@ -25,6 +25,9 @@ bool connection_lost(const std::exception& exc);
 
 
 using Task = std::function<void(Lane&)>;
+// A task to run again (twin of watcher.Retry): the seconds to wait before its next run, or
+// nullopt when done.
+using Retry = std::function<std::optional<double>(Lane&)>;
 using Wake = std::function<void(Lane&, const std::string&)>;
 
 double grace_period(double timeout);
@@ -52,6 +55,10 @@ class Watcher {
   ~Watcher();
 
   void submit(Task task);
+  // Run `task(lane)` in the background, and again after the delay it returns, until it returns
+  // nullopt. For cleanup that waits on other ranks: the thread beats, polls, names and cleans
+  // in between. Waiting runs do not count towards kMaxPending.
+  void retry(Retry task);
   bool flush(double timeout);
   void close(double flush_timeout);
   // The group is aborted: remember the first notice and wake every blocked caller.
@@ -91,6 +98,11 @@ class Watcher {
   struct State;  // shared with the thread, so a detached thread stays valid
   void start_locked();
   static void run(std::shared_ptr<State> state);
+  // Mark the watcher closed, its heartbeat's drop first in the queue (called with the lock held).
+  static void close_locked(State& st);
+  // The queued form of a retry task: runs it, and files itself in State::later if it asks to run
+  // again (a weak reference: a task left behind never keeps the watcher's state alive).
+  static Task retrying(std::weak_ptr<State> state, std::shared_ptr<Retry> task);
   static void poll(State& st, Lane& lane);
 
   std::shared_ptr<State> state_;

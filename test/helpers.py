@@ -189,9 +189,10 @@ def make_cls(impl: str, rank: int) -> type:
     return CppStoreCollectives
 
 
-def make(impl: str, store: dist.Store, rank: int, world_size: int) -> torch_ctrl.ControlCollectives:
-    """An instance of the implementation under test; ``mixed``: odd ranks Python, even ranks C++."""
-    return make_cls(impl, rank)(store, rank, world_size)
+def make(impl: str, store: dist.Store, rank: int, world_size: int, **options: Any) -> torch_ctrl.ControlCollectives:
+    """An instance of the implementation under test; ``mixed``: odd ranks Python, even ranks C++.
+    ``options``: constructor keywords (``heartbeat_interval=...``)."""
+    return make_cls(impl, rank)(store, rank, world_size, **options)
 
 
 def run_ranks(world_size: int, fn: Callable[[int], Any], timeout: float = 60.0) -> list[Any]:
@@ -218,13 +219,19 @@ def run_ranks(world_size: int, fn: Callable[[int], Any], timeout: float = 60.0) 
 
 
 def run_group(
-    impl: str, stores: Stores, world_size: int, fn: Callable[[Any, int], Any], timeout: float = 60.0
+    impl: str,
+    stores: Stores,
+    world_size: int,
+    fn: Callable[[Any, int], Any],
+    timeout: float = 60.0,
+    **options: Any,
 ) -> list[Any]:
-    """``fn(coll, rank)`` on every rank, each with its own store client and instance."""
+    """``fn(coll, rank)`` on every rank, each with its own store client and instance (made with
+    the constructor keywords ``options``)."""
 
     def body(rank: int) -> Any:
         with _CONNECT if _SERIAL else contextlib.nullcontext():
-            coll = make(impl, stores.client(rank), rank, world_size)
+            coll = make(impl, stores.client(rank), rank, world_size, **options)
         try:
             return fn(coll, rank)
         finally:

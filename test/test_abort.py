@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch.distributed as dist
-from helpers import IMPLS, Stores, make, run_ranks
+from helpers import IMPLS, Stores, make, run_group, run_ranks
 
 from torch_ctrl import CollectiveAbortedError
 from torch_ctrl.counting import CountingStore
@@ -320,3 +320,38 @@ def test_a_rank_interrupted_while_blocked_leaves_once_the_group_is_aborted(impl:
     assert interrupted, out + err
     left = float(interrupted.group(1)) - aborted
     assert left < 1.0 + 0.5, (left, out + err)  # the abort poll (under 1 s), 0.5 s for load
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("leaves", [False, True], ids=["stays", "closes"])
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+def test_a_nonblocking_arrival_is_not_taken_for_dead(impl: str, kind: str, leaves: bool) -> None:
+    """Rank 0 arrives at a barrier with ``block=False`` and goes on (``stays``), or closes its
+    instance at once (``closes``). Its watcher waits in the background for the count to be full,
+    to delete the counter. Rank 1 is blocked in the barrier until rank 2 arrives 1 s later, four
+    times the 0.25 s after which a silent heartbeat is dead (interval 0.1 s). Rank 1 must not take
+    rank 0 for dead: rank 0 beats while its cleanup waits or, closed, has dropped its heartbeat.
+    Once all have closed, the store holds none of their keys."""
+    stores = Stores(kind)
+    arrived = threading.Event()
+    through = threading.Barrier(3)  # rank 0 stays until the others are through
+
+    def fn(coll, rank: int) -> str:  # noqa: ANN001
+        try:
+            if rank == 0:
+                coll.barrier("nb", 30, block=False)
+                arrived.set()
+                if leaves:
+                    coll.close()
+                return "arrived"
+            arrived.wait(30)
+            if rank == 2:
+                threading.Event().wait(1.0)  # the late arrival is the scenario, not an ordering
+            coll.barrier("nb", 30)
+            return "through"
+        finally:
+            through.wait(30)
+
+    before = stores.admin.num_keys()
+    assert run_group(impl, stores, 3, fn, heartbeat_interval=0.1) == ["arrived", "through", "through"]
+    assert stores.admin.num_keys() == before

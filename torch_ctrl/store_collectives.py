@@ -716,17 +716,18 @@ class PyStoreCollectives(ControlCollectives):
         """Non-blocking arrival at a native barrier: delete the counter once everyone arrived."""
         counter, deadline = op.key(K.BARRIER), op.deadline
         world = self._world
+        pause = 0.01
 
-        def task(lane: Lane) -> None:
-            pause = 0.01
-            while True:
-                value = lane.peek_quietly(counter)  # the blocking ranks wait on it in the server
-                if value is None or K.parse_counter(value) >= world:  # garbage: DecodeError ends the task
-                    break
-                if time.monotonic() > deadline or leaving():  # at exit the counter stays
-                    return
-                time.sleep(pause)
-                pause = min(pause * 2, 1.0)
-            lane.delete(counter)
+        def check(lane: Lane) -> float | None:
+            # One look per run: between runs the watcher beats, polls and cleans (Watcher.retry).
+            nonlocal pause
+            value = lane.peek_quietly(counter)  # the blocking ranks wait on it in the server
+            if value is None or K.parse_counter(value) >= world:  # garbage: DecodeError ends the task
+                lane.delete(counter)
+                return None
+            if time.monotonic() > deadline or leaving():  # at exit the counter stays
+                return None
+            wait, pause = pause, min(pause * 2, 1.0)
+            return wait
 
-        self._watcher.submit(task)
+        self._watcher.retry(check)

@@ -3,7 +3,9 @@
 It does the work that must not sit on a collective's critical path:
 
 * **cleanup**: deleting a finished collective's keys, so ops return as soon as
-  their result is known (with back-pressure, see ``MAX_PENDING``);
+  their result is known (with back-pressure, see ``MAX_PENDING``); cleanup that waits
+  on other ranks runs as a ``retry`` task, so that the thread serves everything else
+  in between;
 * **names**: a rank blocked past a grace period appends its rank to the
   collective's NAMES log, so a timeout can list the missing ranks with one read;
 * **abort**: while a caller is blocked, it polls the group's abort notice every
@@ -20,6 +22,7 @@ queue; unclosed watchers are stopped at interpreter exit.
 from __future__ import annotations
 
 import atexit
+import heapq
 import itertools
 import logging
 import threading
@@ -37,6 +40,8 @@ from .lanes import BACKGROUND_TURN, Lane, Lanes
 log = logging.getLogger(__name__)
 
 Task = Callable[[Lane], None]
+# A task to run again: returns the seconds to wait before its next run, or None when done.
+Retry = Callable[[Lane], "float | None"]
 Wake = Callable[[Lane, bytes], None]
 
 # Most cleanup tasks queued per instance: a caller that would exceed it waits, so a
@@ -163,6 +168,8 @@ class Watcher:
         self._beats: list[_Beat] = []
         self._cv = threading.Condition()
         self._tasks: deque[Task] = deque()
+        # Retry tasks waiting for their next run: (when, tie-breaker, task), earliest first.
+        self._later: list[tuple[float, int, Task]] = []
         self._blocked: dict[int, _Blocked] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -198,6 +205,20 @@ class Watcher:
             self._active_until = now + LINGER
             if self._sleeping and (len(self._tasks) >= BATCH or self._wake_at is None or self._wake_at > now + tick()):
                 self._cv.notify_all()
+
+    def retry(self, task: Retry) -> None:
+        """Run ``task(lane)`` in the background, and again after the delay it returns, until it
+        returns None. For cleanup that waits on other ranks: the thread beats, polls, names and
+        cleans in between, where a task that slept would hold all of that up (a live rank's
+        heartbeat would stop). Waiting runs do not count towards ``MAX_PENDING``."""
+
+        def run(lane: Lane) -> None:
+            delay = task(lane)
+            if delay is not None:
+                with self._cv:
+                    heapq.heappush(self._later, (time.monotonic() + delay, next(self._ids), run))
+
+        self.submit(run)
 
     def blocked(self, names_key: str, timeout: float, wake: Wake | None = None) -> _BlockedScope:
         """Context manager: the caller is blocked in a collective whose NAMES log is
@@ -247,20 +268,24 @@ class Watcher:
             return self.notice
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Wait until every submitted task has run; False on timeout."""
+        """Wait until every submitted task has run, retries included; False on timeout."""
         end = time.monotonic() + timeout
         with self._cv:
             self._cv.notify_all()
-            while self._tasks or self._busy:
+            while self._tasks or self._busy or self._later:
                 left = end - time.monotonic()
                 if left <= 0 or not self._running:
-                    return not self._tasks
+                    return not self._tasks and not self._later
                 self._cv.wait(left)
         return True
 
     def close(self, flush_timeout: float = 5.0) -> None:
         """Stop taking tasks and heartbeats; the thread drains its queue, then exits."""
         with self._cv:
+            if not self._closed and self._heartbeat is not None:
+                # A closed rank is not dead: its heartbeat goes first (peers skip missing ones),
+                # not after the cleanup, which may wait on other ranks for long (Watcher.retry).
+                self._tasks.appendleft(lambda lane: lane.drop_counter(self._hb_key))
             self._closed = True
             self._cv.notify_all()
         self.join(flush_timeout)
@@ -285,6 +310,10 @@ class Watcher:
         with self._cv:
             while True:
                 now = time.monotonic()
+                if _LEAVING:  # at exit, cleanup that waits on other ranks stays undone
+                    self._later.clear()
+                while self._later and self._later[0][0] <= now:
+                    self._tasks.append(heapq.heappop(self._later)[2])
                 # Blocked callers are served (named, woken, polled for) until the process exits.
                 blocked = [] if _LEAVING else list(self._blocked.values())
                 names = [b.names_key for b in blocked if not b.named and b.due <= now]
@@ -312,14 +341,16 @@ class Watcher:
                     due.append(self._next_beat)
                 if now < self._active_until and not self._closed:
                     due.append(now + tick())
+                if self._later:
+                    due.append(self._later[0][0])
                 self._wake_at = min(due) if due else None
                 self._sleeping = True
                 self._cv.wait(max(0.0, self._wake_at - now) if self._wake_at is not None else None)
                 self._sleeping = False
 
     def _done(self) -> bool:
-        """Closed, and no caller left to serve (called with the lock held)."""
-        return self._closed and (not self._blocked or _LEAVING)
+        """Closed, and no caller or retry left to serve (called with the lock held)."""
+        return self._closed and (not self._blocked or _LEAVING) and not self._later
 
     def _run(self) -> None:
         try:
@@ -355,13 +386,11 @@ class Watcher:
                     # Closing, and the connection is lost: what is left to clean stays (as after
                     # a crash) rather than close() waiting out a reconnect per task.
                     self._tasks.clear()
+                    self._later.clear()
                 self._busy = False
                 self._cv.notify_all()
                 if not self._tasks and self._done():
                     break
-        if self._heartbeat is not None:
-            # A closed rank is not dead: drop its heartbeat (peers skip missing ones).
-            self._safely(lambda ln: ln.drop_counter(self._hb_key), lane)
         with self._cv:
             self._running = False
             self._cv.notify_all()
