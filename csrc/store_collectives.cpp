@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <charconv>
 #include <cctype>
-#include <thread>
 #include <tuple>
 
 namespace torch_ctrl {
