@@ -268,6 +268,25 @@ PYBIND11_MODULE(_C, m) {
     }
     throw py::value_error("unknown decoder '" + kind + "'");
   });
+  // Test hook: Lane::peek_quietly on one new lane of `store`, again and again for `seconds`
+  // (twin of a loop over lanes.Lane.peek_quietly): what each read returned, None for absent.
+  m.def("_quiet_reads", [](c10::intrusive_ptr<c10d::Store> store, const std::string& key, double seconds) {
+    std::vector<std::optional<std::string>> reads;
+    {
+      py::gil_scoped_release nogil;
+      torch_ctrl::Lanes lanes(std::move(store));
+      auto lane = lanes.open(5.0);
+      auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+      while (std::chrono::steady_clock::now() < end) {
+        reads.push_back(lane->peek_quietly(key));
+      }
+    }
+    py::list out;
+    for (const auto& value : reads) {
+      out.append(value ? py::object(py::bytes(*value)) : py::object(py::none()));
+    }
+    return out;
+  });
   main_thread_ident = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   m.def("_set_main_thread", [](unsigned long ident) { main_thread_ident = ident; });
   m.def("_leave_process", &torch_ctrl::leave_process,

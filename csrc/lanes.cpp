@@ -13,8 +13,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <exception>
 
 #include <algorithm>
 #include <chrono>
@@ -38,6 +40,10 @@ constexpr double kClaimWait = 1.0;
 // Twin of lanes.QUIET_WAIT: how long peek_quietly's get waits (for a key that vanished after
 // its check, it waits this long for nothing).
 constexpr double kQuietWait = 0.25;
+// Twin of lanes.QUIET_RECONNECT: how long peek_quietly's new connection may take to open (a
+// server is gone when it refuses, at once; one that is busy or stalls in a reverse lookup
+// needs seconds).
+constexpr double kQuietReconnect = 5.0;
 
 // Twin of lanes._ForkGate: no fork() while one of our threads opens a connection. Name
 // resolution takes glibc's resolver lock; a child forked while another thread held it
@@ -276,6 +282,21 @@ c10::intrusive_ptr<c10d::Store> new_client(
   return tcp_new_client(*tcp, connect_timeout, stop);
 }
 } // namespace
+
+bool connection_lost(const std::exception& exc) {
+  // Twin of lanes.connection_lost.
+  if (dynamic_cast<const c10::DistNetworkError*>(&exc) != nullptr) {
+    return true;
+  }
+  std::string text = exc.what();
+  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
+  for (const char* t : {"connection", "broken pipe", "failed to recv", "socket"}) {
+    if (text.find(t) != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
 
 std::string attempt(const std::string& host, int port, double seconds) {
   int error = connects(host, port, seconds);
@@ -527,16 +548,50 @@ std::optional<std::string> Lane::peek_quietly(const std::string& key) {
   if (!store->check({key})) {
     return std::nullopt;
   }
+  std::string value;
   try {
-    return get(key, kQuietWait);
+    value = get(key, kQuietWait);
   } catch (const std::exception&) {
-    if (!store->check({key})) {  // a lost connection throws here
+    if (!still_there(key)) {
       return std::nullopt;  // deleted after the check: only once its barrier has completed
     }
+    // The key is there and the get timed out: a server slower than kQuietWait. Read it the
+    // usual way (at worst one early release) rather than report a timeout early.
+    return peek(key);
   }
-  // The key is there and the get timed out: a server slower than kQuietWait. Read it the
-  // usual way (at worst one early release) rather than report a timeout early.
-  return peek(key);
+  // No counter is empty: the key was deleted between the get's wait and its read, which the
+  // libuv server answers with no bytes.
+  if (value.empty()) {
+    return std::nullopt;
+  }
+  return value;
+}
+
+bool Lane::still_there(const std::string& key) {
+  try {
+    return store->check({key});
+  } catch (const std::exception& lost) {
+    if (!owned || !connection_lost(lost)) {
+      throw;
+    }
+    auto gone = std::current_exception();
+    try {
+      reconnect(kQuietReconnect);
+    } catch (const std::exception&) {
+      std::rethrow_exception(gone);  // the server is gone: the lost connection is what to report
+    }
+    return store->check({key});
+  }
+}
+
+void Lane::reconnect(double connect_timeout) {
+  // The new client connects within the old one's timeout at most, and this lane's last get
+  // armed that to kQuietWait: a server busy for that long is not gone.
+  base_store(store)->setTimeout(millis(connect_timeout));
+  Connecting connecting;
+  store = new_client(store, connect_timeout, nullptr);
+  base.reset();
+  timeout = -1.0;
 }
 
 std::string Lane::get(const std::string& key, double seconds) {

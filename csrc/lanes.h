@@ -36,6 +36,10 @@ extern std::function<int64_t(c10d::Store&, const std::string&)> python_read_coun
 // (KeyboardInterrupt, SystemExit): it goes to the caller as it is, not as a store error.
 extern std::function<bool(const std::exception&)> python_interrupt;
 
+// Whether a store error means the connection is gone (the server died or restarted, or it
+// dropped this connection).
+bool connection_lost(const std::exception& exc);
+
 struct Lane {
   c10::intrusive_ptr<c10d::Store> store;
   bool owned = false;
@@ -62,6 +66,10 @@ struct Lane {
   // peek for a counter that ranks may be waiting on in TCPStore's server-side barrier: the
   // server takes compare_set for a write and releases them, so check, then get (3 round trips
   // where peek takes one: for timeouts and polls, never the success path). Elsewhere peek.
+  // A key deleted between the get's wait and its read (a barrier's counter, deleted by rank 0
+  // once the barrier completed) reads as absent: the libuv server answers that read with no
+  // bytes, the legacy server drops the connection (a new one, opened within kQuietReconnect
+  // seconds, then checks the key; if none opens, the lost connection's error is raised).
   std::optional<std::string> peek_quietly(const std::string& key);
   // Read what was appended to `key`, at most `most` entries where entries are separate keys.
   std::optional<std::string> peek_log(const std::string& key, int64_t most);
@@ -85,6 +93,11 @@ struct Lane {
   std::optional<std::vector<std::string>> list_keys();
 
  private:
+  // check after a failed read; on a connection the legacy server dropped (a get that found
+  // the key gone), on a new one.
+  bool still_there(const std::string& key);
+  // A new connection for this owned lane, under the same PrefixStores.
+  void reconnect(double connect_timeout);
   void arm(double seconds);
   bool fits(double seconds);
   void wait_polled(const std::vector<std::string>& keys, double seconds);

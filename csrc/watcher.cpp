@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cctype>
 #include <cstdio>
 
 namespace torch_ctrl {
@@ -245,21 +244,6 @@ Watcher::Blocked::~Blocked() {
 
 // The longest the watcher waits to open a new connection (it tries again on its next wake).
 constexpr double kHealConnect = 1.0;
-
-bool connection_lost(const std::exception& exc) {
-  // Twin of watcher.connection_lost: the store's connection is gone (server died or restarted).
-  if (dynamic_cast<const c10::DistNetworkError*>(&exc) != nullptr) {
-    return true;
-  }
-  std::string text = exc.what();
-  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
-  for (const char* t : {"connection", "broken pipe", "failed to recv", "socket"}) {
-    if (text.find(t) != std::string::npos) {
-      return true;
-    }
-  }
-  return false;
-}
 
 void Watcher::poll(State& st, Lane& lane) {
   auto notice = lane.peek(st.abort_key);

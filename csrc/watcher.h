@@ -20,9 +20,6 @@
 
 namespace torch_ctrl {
 
-// Whether a store error means the connection is gone (the server died or restarted).
-bool connection_lost(const std::exception& exc);
-
 
 using Task = std::function<void(Lane&)>;
 // A task to run again (twin of watcher.Retry): the seconds to wait before its next run, or

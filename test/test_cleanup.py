@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
-from helpers import Stores, make, run_ranks
+import torch.distributed as dist
+from helpers import HOST, IMPLS, Stores, make, run_ranks
+
+from torch_ctrl.lanes import Lanes
 
 WORLD = 4
 BOUND = 20 * WORLD + 20
@@ -115,3 +121,59 @@ def test_names_logs_of_slow_ops_are_deleted(impl: str, kind: str) -> None:
 
     run_ranks(WORLD, fn)
     assert stores.admin.num_keys() == before, getattr(stores, "server", None) and stores.server.list_keys()
+
+
+# -------------------------------------------- a barrier's counter deleted under a quiet read
+
+_TWINS = ["cpp", "python"] if "cpp" in IMPLS else ["python"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chain", [False, True], ids=["raw", "prefix"])
+@pytest.mark.parametrize("libuv", [True, False], ids=["libuv", "legacy"])
+@pytest.mark.parametrize("twin", _TWINS)
+def test_a_counter_deleted_under_a_quiet_read_reads_as_absent(twin: str, libuv: bool, chain: bool) -> None:
+    """Ranks released from TCPStore's server-side barrier read its counter quietly (check,
+    then get) while rank 0 deletes it once the barrier is complete. A delete between the get's
+    wait and its read made the libuv server answer with no bytes (a "bad counter" error) and
+    the legacy server drop the connection ("store unreachable"). Here one client writes and
+    deletes the key as fast as it can while a lane reads it quietly for a second: every read
+    must give the value or absent, and the lane must go on working."""
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, use_libuv=libuv)
+
+    def client() -> dist.Store:
+        store = dist.TCPStore(HOST, server.port, is_master=False, use_libuv=libuv)
+        return dist.PrefixStore("a", dist.PrefixStore("b/", store)) if chain else store
+
+    reader, writer = client(), client()
+    if not Lanes(reader).native_barrier:
+        pytest.skip("no server-side barrier in this torch: quiet reads are plain peeks")
+    stop = threading.Event()
+    churns = [0]
+
+    def churn() -> None:
+        while not stop.is_set():
+            writer.set("counter", b"3")
+            writer.delete_key("counter")
+            churns[0] += 1
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        if twin == "cpp":
+            from torch_ctrl import _C
+
+            reads = _C._quiet_reads(reader, "counter", 2.0)
+        else:
+            lane = Lanes(reader).open(5.0)
+            reads = []
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end:
+                reads.append(lane.peek_quietly("counter"))
+    finally:
+        stop.set()
+        thread.join()
+    # The key came and went under many reads (each read the legacy server drops costs a new
+    # connection: a few dozen a second where its reverse lookups stall).
+    assert churns[0] > 100 and len(reads) >= 10
+    assert set(reads) <= {b"3", None}

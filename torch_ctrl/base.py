@@ -16,8 +16,7 @@ from typing import NoReturn, Union
 import torch.distributed as dist
 
 from .errors import CollectiveError, init_error, one_line
-from .lanes import BASIC, base_store, check_server, python_methods
-from .watcher import connection_lost
+from .lanes import BASIC, base_store, check_server, connection_lost, python_methods
 
 Data = Union[bytes, bytearray, memoryview, str]
 Timeout = Union[timedelta, int, float]

@@ -54,6 +54,15 @@ def peek(store: dist.Store, key: str) -> bytes | None:
     return None if value == K.MISSING else value
 
 
+def connection_lost(exc: BaseException) -> bool:
+    """Whether a store error means the connection is gone (the server died or restarted, or
+    it dropped this connection). Twin of ``connection_lost`` in csrc/lanes.cpp."""
+    if isinstance(exc, (dist.DistNetworkError, ConnectionError)):
+        return True
+    text = str(exc).lower()
+    return any(t in text for t in ("connection", "broken pipe", "failed to recv", "socket"))
+
+
 def base_store(store: dist.Store) -> dist.Store:
     """The store under any number of PrefixStores."""
     while isinstance(store, dist.PrefixStore):
@@ -368,6 +377,9 @@ CLAIM_WAIT = 1.0
 # How long Lane.peek_quietly's get waits (for a key that vanished after its check, it waits
 # this long for nothing).
 QUIET_WAIT = 0.25
+# How long Lane.peek_quietly's new connection may take to open (see there): a server is gone
+# when it refuses, at once; one that is busy or stalls in a reverse lookup needs seconds.
+QUIET_RECONNECT = 5.0
 
 
 class Lane:
@@ -453,19 +465,55 @@ class Lane:
         """``peek`` for a counter that ranks may be waiting on in TCPStore's server-side
         barrier. The server takes ``compare_set`` for a write and releases every rank waiting
         on the key, so here: ``check``, then ``get`` (3 round trips where ``peek`` takes one: for
-        timeouts and polls, never the success path). Elsewhere ``peek``."""
+        timeouts and polls, never the success path). Elsewhere ``peek``.
+
+        A key deleted between the get's wait and its read (a barrier's counter, deleted by rank
+        0 once the barrier completed) reads as absent: the libuv server answers that read with
+        no bytes, the legacy server drops the connection (a new one, opened within
+        ``QUIET_RECONNECT`` seconds, then checks the key; if none opens, the lost connection's
+        error is raised)."""
         if not self.native_barrier:
             return self.peek(key)
         if not self.store.check([key]):
             return None
         try:
-            return self.get(key, QUIET_WAIT)
-        except Exception:
-            if not self.store.check([key]):  # a lost connection raises here
+            value = self.get(key, QUIET_WAIT)
+        except Exception:  # noqa: BLE001 - told apart below
+            if not self._still_there(key):
                 return None  # deleted after the check: only once its barrier has completed
             # The key is there and the get timed out: a server slower than QUIET_WAIT. Read it
             # the usual way (at worst one early release) rather than report a timeout early.
             return self.peek(key)
+        # No counter is empty: the key was deleted between the get's wait and its read, which
+        # the libuv server answers with no bytes.
+        return value or None
+
+    def _still_there(self, key: str) -> bool:
+        """``check`` after a failed read; on a connection the legacy server dropped (a get that
+        found the key gone), on a new one."""
+        try:
+            return bool(self.store.check([key]))
+        except Exception as lost:
+            if not (self.owned and connection_lost(lost)):
+                raise
+            try:
+                self._reconnect(QUIET_RECONNECT)
+            except Exception:  # noqa: BLE001 - the server is gone: the lost connection is what to report
+                raise lost from None
+            return bool(self.store.check([key]))
+
+    def _reconnect(self, connect_timeout: float) -> None:
+        """A new connection for this owned lane, under the same PrefixStores."""
+        dropped = base_store(self.store)
+        # The new client connects within the old one's timeout at most, and this lane's last
+        # get armed that to QUIET_WAIT: a server busy for that long is not gone.
+        dropped.set_timeout(timedelta(seconds=connect_timeout))
+        with _FORK_GATE:
+            client = new_client(dropped, connect_timeout)
+        # PrefixStore(P, c) puts "P/" before a key: P is the joined prefix less its last "/".
+        self.store = dist.PrefixStore(self.prefix[:-1], client) if self.prefix else client
+        self._timeout = None
+        self._base = None
 
     def peek_log(self, key: str, most: int) -> bytes | None:
         """Read what was appended to ``key`` (see :meth:`append`), at most ``most`` entries

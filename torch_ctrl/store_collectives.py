@@ -44,8 +44,8 @@ from .errors import (
     one_line,
     timeout_error,
 )
-from .lanes import Borrowed, Lane, Lanes
-from .watcher import Watcher, connection_lost, leaving
+from .lanes import Borrowed, Lane, Lanes, connection_lost
+from .watcher import Watcher, leaving
 
 T = TypeVar("T")
 DIAGNOSTICS_CONNECT = 2.0  # seconds a new connection may take to name the missing ranks

@@ -32,10 +32,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
-
 from . import keys as K
-from .lanes import BACKGROUND_TURN, Lane, Lanes
+from .lanes import BACKGROUND_TURN, Lane, Lanes, connection_lost
 
 log = logging.getLogger(__name__)
 
@@ -142,14 +140,6 @@ class _Beat:
 HEAL_CONNECT = 1.0  # seconds the watcher waits to open a new connection (tried again on its next wake)
 # At exit, how much longer than the drain the watchers' threads get to leave a store call.
 EXIT_GRACE = 2 * BACKGROUND_TURN + 1.0
-
-
-def connection_lost(exc: BaseException) -> bool:
-    """Whether a store error means the connection is gone (the server died or restarted)."""
-    if isinstance(exc, (dist.DistNetworkError, ConnectionError)):
-        return True
-    text = str(exc).lower()
-    return any(t in text for t in ("connection", "broken pipe", "failed to recv", "socket"))
 
 
 class Watcher:
