@@ -493,3 +493,34 @@ def test_a_key_deleted_after_its_check_does_not_stall_a_sample() -> None:
         inspection._read_existing(client, ["present", "gone"], owned=True)
     assert client.timeout == timedelta(seconds=120)
     assert inspection.read_values(client, ["present", "gone"], owned=True) == {"present": b"1", "gone": None}
+
+
+def test_a_connection_the_server_dropped_is_opened_again() -> None:
+    """A legacy TCPStore server drops a connection whose read finds a key deleted after the
+    read's wait (a live job's cleanup does that under the inspector's reads), and every later
+    sample read nothing: the next sample opens a new connection."""
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, use_libuv=False)
+    writer = dist.TCPStore(HOST, server.port, is_master=False, use_libuv=False)
+    writer.set("kept", b"1")
+    insp = Inspector(f"{HOST}:{server.port}", timeout=5.0)
+    assert insp.sample()["num_keys"] == 1
+    # The server drops the inspector's connection: a key read while it comes and goes.
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            writer.set("churn", b"1")
+            writer.delete_key("churn")
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        with pytest.raises(dist.DistNetworkError):
+            for _ in range(100_000):
+                if insp._store.check(["churn"]):
+                    insp._store.get("churn")
+    finally:
+        stop.set()
+        thread.join()
+    assert insp.sample()["num_keys"] == 1
+    assert insp.sample()["num_keys"] == 1

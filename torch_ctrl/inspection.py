@@ -407,7 +407,8 @@ class Inspector:
     ) -> None:
         self.address = store if isinstance(store, str) else _address(store)
         self._timeout = timeout
-        self._store = connect(store, timeout) if isinstance(store, str) else _clone(store, timeout)
+        self._source = store
+        self._store = self._connect()
         # A connection of ours (its timeout may be changed for a read), not the caller's store.
         self._owned = isinstance(store, str) or self._store is not store
         self._prefix = prefix or ""
@@ -416,6 +417,25 @@ class Inspector:
         self._beats: dict[tuple[str, str, int], _Beats] = {}
         self._linked: dict[str, Inspector | str] = {}
         self._samples: list[float] = []
+
+    def _connect(self) -> dist.Store:
+        source = self._source
+        return connect(source, self._timeout) if isinstance(source, str) else _clone(source, self._timeout)
+
+    def _num_keys(self) -> int | None:
+        """The store's key count, on a new connection of ours when the server dropped the last
+        one: a legacy TCPStore server drops a connection whose read finds a key deleted after
+        its wait (a live job's cleanup), and every later sample would read nothing."""
+        try:
+            return int(self._store.num_keys())
+        except Exception as exc:  # noqa: BLE001 - not every store counts
+            if not (self._owned and lanes.connection_lost(exc)):
+                return None
+        self._store = self._connect()
+        try:
+            return int(self._store.num_keys())
+        except Exception:  # noqa: BLE001 - as above
+            return None
 
     def sample(self) -> dict[str, Any]:
         """Read the store once and return the report (see ``docs/inspect.md``)."""
@@ -438,11 +458,8 @@ class Inspector:
         return report
 
     def _sample_into(self, report: dict[str, Any], now: float) -> None:
+        report["num_keys"] = self._num_keys()
         store = self._store
-        try:
-            report["num_keys"] = int(store.num_keys())
-        except Exception:  # noqa: BLE001 - not every store counts
-            report["num_keys"] = None
         keys = list_keys(store)
         if keys is None:
             report["enumerable"] = False
