@@ -266,6 +266,12 @@ def new_client(
         pause = min(pause * 2, 0.5)
 
 
+def under_prefix(prefix: str, client: dist.Store) -> dist.Store:
+    """``client`` under the joined ``prefix`` of a PrefixStore chain ("a/b/", or "" for none)."""
+    # PrefixStore(P, c) puts "P/" before a key: P is the joined prefix less its last "/".
+    return dist.PrefixStore(prefix[:-1], client) if prefix else client
+
+
 def _unreachable(host: str, port: int, exc: OSError) -> dist.DistNetworkError:
     """The error of a server no plain connection reached (csrc/lanes.cpp reach() words it alike)."""
     return dist.DistNetworkError(f"the store's server {host}:{port} is unreachable: {exc}")
@@ -510,8 +516,7 @@ class Lane:
         dropped.set_timeout(timedelta(seconds=connect_timeout))
         with _FORK_GATE:
             client = new_client(dropped, connect_timeout)
-        # PrefixStore(P, c) puts "P/" before a key: P is the joined prefix less its last "/".
-        self.store = dist.PrefixStore(self.prefix[:-1], client) if self.prefix else client
+        self.store = under_prefix(self.prefix, client)
         self._timeout = None
         self._base = None
 
@@ -771,8 +776,7 @@ class Lanes:
         if isinstance(self.store, dist.TCPStore):
             return new_client(self.store, connect_timeout, stop)
         if self.prefix and not self.sliced:  # a PrefixStore chain whose prefix is known
-            # PrefixStore(P, c) puts "P/" before a key: P is the joined prefix less its last "/".
-            return dist.PrefixStore(self.prefix[:-1], new_client(base_store(self.store), connect_timeout, stop))
+            return under_prefix(self.prefix, new_client(base_store(self.store), connect_timeout, stop))
         if capabilities.CLONE:
             base = base_store(self.store)
             if connect_timeout is not None and isinstance(base, dist.TCPStore):
