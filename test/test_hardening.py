@@ -187,6 +187,23 @@ def test_a_timeout_with_every_rank_arrived_says_where_the_time_went() -> None:
     )
 
 
+def test_a_rank_counted_but_not_yet_named_is_told_apart() -> None:
+    """A barrier counts arrivals on its counter and names them in a later append: a rank with a
+    slow store is counted before its name lands. "2/3 ranks arrived; missing ranks: [0, 2]"
+    alone contradicts itself; the text says one of the listed ranks did arrive."""
+    from torch_ctrl.errors import timeout_error
+
+    exc = timeout_error("barrier", "k", 4, 3, arrived=2, missing=[0, 2])
+    assert str(exc) == (
+        "barrier 'k' timed out after 4s: 2/3 ranks arrived; missing ranks: [0, 2] (1 of them arrived"
+        " but did not name itself in time: slow store calls or a stalled process)"
+    )
+    assert (exc.arrived, exc.missing) == (2, [0, 2])
+    assert "2 of them arrived but did not name themselves" in str(
+        timeout_error("barrier", "k", 4, 5, arrived=4, missing=[0, 1, 3])
+    )
+
+
 # ----------------------------------------------------------------------------- duck-typed stores
 
 

@@ -126,6 +126,15 @@ def timeout_error(
             )
         if missing:
             msg += f"; missing ranks: {format_ranks(missing)}"
+            # Ranks are counted by one request and named by a later one (a barrier's counter,
+            # then its NAMES log): a rank whose store calls are slow is counted before its name
+            # is there. Say so, rather than a count and a list that disagree.
+            unnamed = arrived + len(missing) - world_size
+            if unnamed > 0:
+                msg += (
+                    f" ({unnamed} of them arrived but did not name {'itself' if unnamed == 1 else 'themselves'}"
+                    " in time: slow store calls or a stalled process)"
+                )
     if detail:
         msg += f"{';' if arrived is not None else ':'} {detail}"
     return CollectiveTimeoutError(msg, op=op, key=key, arrived=arrived, world_size=world_size, missing=missing)
