@@ -42,6 +42,7 @@ struct Watcher::State {
   std::string hb_key;  // this rank's
   std::vector<std::string> hb_keys;
   std::vector<Beat> beats;
+  Clock::time_point next_read{};  // the earliest next heartbeat read (see kHbRead)
   std::mutex mutex;
   std::condition_variable cv;
   std::deque<Task> tasks;
@@ -247,8 +248,9 @@ constexpr double kHealConnect = 1.0;
 
 void Watcher::poll(State& st, Lane& lane) {
   auto notice = lane.peek(st.abort_key);
-  if (!notice && st.heartbeat) {
-    auto now = Clock::now();
+  auto now = Clock::now();
+  if (!notice && st.heartbeat && now >= st.next_read) {
+    st.next_read = now + secs(kHbRead * *st.heartbeat);
     if (st.hb_keys.empty()) {
       for (int r = 0; r < st.world; ++r) {
         st.hb_keys.push_back(keys::group_key(st.world, "hb/" + std::to_string(r)));

@@ -45,6 +45,12 @@ bool leaving();
 constexpr double kLinger = 1.0;
 constexpr double kPoll = 0.7;
 constexpr double kDeadAfter = 2.5;
+// The heartbeat counters are read on a poll at most once per this many intervals (from an
+// interval of 2 * kPoll, not on every poll): each read returns all N counters, so the blocked
+// ranks' reads together cost the server O(N^2) per read period, and a longer interval is how a
+// large job lowers that. Counters move once per interval, so reading them more often than
+// every half interval adds nothing but load.
+constexpr double kHbRead = 0.5;
 
 class Watcher {
  public:

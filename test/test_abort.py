@@ -237,6 +237,53 @@ def test_abort_across_processes(impl: str) -> None:
         assert when - aborted_at < 1.0 + 0.5, when - aborted_at
 
 
+class _ReadTimes(CountingStore):
+    """A CountingStore that also notes when each key is read (a peek is a ``compare_set``)."""
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__(inner)
+        self.reads: list[tuple[float, str]] = []
+
+    def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> bytes:
+        self.reads.append((time.monotonic(), key))
+        return super().compare_set(key, expected_value, desired_value)
+
+    def get(self, key: str) -> bytes:
+        self.reads.append((time.monotonic(), key))
+        return super().get(key)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.reads.extend((time.monotonic(), k) for k in keys)
+        return super().multi_get(keys)
+
+
+@pytest.mark.timeout(60)
+def test_heartbeats_are_read_at_most_every_half_interval(impl: str) -> None:
+    """A blocked rank polls every 0.7 s, but reads the heartbeat counters (all N of them: the
+    load that grows as N^2 over a group of blocked ranks) only every half interval: with a 4 s
+    interval, 2 s apart. A 3 s block reads them twice (at its first poll, then about 2.1 s
+    later), where reading on every poll would read them five times."""
+    from datetime import timedelta
+
+    from torch_ctrl import CollectiveTimeoutError
+
+    store = _ReadTimes(dist.HashStore())
+    peer = make(impl, store, 1, 2, heartbeat_interval=4.0)  # beats; never joins the barrier
+    coll = make(impl, store, 0, 2, heartbeat_interval=4.0)
+    try:
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError):
+            coll.barrier("held", timedelta(seconds=3))
+        end = time.monotonic()
+    finally:
+        coll.close()
+        peer.close()
+    peer_reads = [t for t, key in store.reads if key.endswith("hb/1") and start <= t <= end]
+    assert 1 <= len(peer_reads) <= 3, peer_reads
+    gaps = [b - a for a, b in zip(peer_reads, peer_reads[1:])]
+    assert all(gap >= 2.0 - 0.05 for gap in gaps), gaps
+
+
 @pytest.mark.parametrize("how", ["close", "gc"])
 def test_heartbeats_stop_on_close_and_gc(impl: str, how: str) -> None:
     import gc

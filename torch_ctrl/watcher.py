@@ -60,6 +60,12 @@ LINGER = 1.0
 POLL = 0.7
 # A rank whose heartbeat counter has not moved for this many intervals is dead.
 DEAD_AFTER = 2.5
+# The heartbeat counters are read on a poll at most once per this many intervals (from an
+# interval of 2 * POLL, not on every poll): each read returns all N counters, so the blocked
+# ranks' reads together cost the server O(N^2) per read period, and a longer interval is how a
+# large job lowers that. Counters move once per interval, so reading them more often than
+# every half interval adds nothing but load.
+HB_READ = 0.5
 
 _LIVE: weakref.WeakSet[Watcher] = weakref.WeakSet()
 # Set once the interpreter exits: watchers then only drain their cleanup and stop, even with
@@ -156,6 +162,7 @@ class Watcher:
         # large world costs nothing until heartbeats are read (O(1) memory in the constructor).
         self._hb_keys: list[str] = []
         self._beats: list[_Beat] = []
+        self._next_read = 0.0  # the earliest next heartbeat read (see HB_READ)
         self._cv = threading.Condition()
         self._tasks: deque[Task] = deque()
         # Retry tasks waiting for their next run: (when, tie-breaker, task), earliest first.
@@ -404,6 +411,9 @@ class Watcher:
             self._hb_keys = [K.group_key(self._world, f"hb/{r}") for r in range(self._world)]
             self._beats = [_Beat() for _ in range(self._world)]
         now = time.monotonic()
+        if now < self._next_read:
+            return None
+        self._next_read = now + HB_READ * self._heartbeat
         values = lane.peek_many(self._hb_keys)
         for rank, value in enumerate(values):
             if value == b"0":  # dropped where keys cannot be deleted (Lane.drop_counter)
