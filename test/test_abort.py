@@ -258,18 +258,21 @@ class _ReadTimes(CountingStore):
 
 
 @pytest.mark.timeout(60)
-def test_heartbeats_are_read_at_most_every_half_interval(impl: str) -> None:
+@pytest.mark.parametrize("chain", [False, True], ids=["plain", "prefix"])
+def test_heartbeats_are_read_at_most_every_half_interval(impl: str, chain: bool) -> None:
     """A blocked rank polls every 0.7 s, but reads the heartbeat counters (all N of them: the
     load that grows as N^2 over a group of blocked ranks) only every half interval: with a 4 s
     interval, 2 s apart. A 3 s block reads them twice (at its first poll, then about 2.1 s
-    later), where reading on every poll would read them five times."""
+    later), where reading on every poll would read them five times. Also under a PrefixStore
+    (the reads reach the recording store with the prefix in front)."""
     from datetime import timedelta
 
     from torch_ctrl import CollectiveTimeoutError
 
     store = _ReadTimes(dist.HashStore())
-    peer = make(impl, store, 1, 2, heartbeat_interval=4.0)  # beats; never joins the barrier
-    coll = make(impl, store, 0, 2, heartbeat_interval=4.0)
+    user_store = dist.PrefixStore("job", store) if chain else store
+    peer = make(impl, user_store, 1, 2, heartbeat_interval=4.0)  # beats; never joins the barrier
+    coll = make(impl, user_store, 0, 2, heartbeat_interval=4.0)
     try:
         start = time.monotonic()
         with pytest.raises(CollectiveTimeoutError):

@@ -407,13 +407,13 @@ class Watcher:
     def _find_dead(self, lane: Lane) -> tuple[int, float] | None:
         """A rank whose heartbeat has not moved for DEAD_AFTER intervals, if any."""
         assert self._heartbeat is not None
-        if not self._hb_keys:
-            self._hb_keys = [K.group_key(self._world, f"hb/{r}") for r in range(self._world)]
-            self._beats = [_Beat() for _ in range(self._world)]
         now = time.monotonic()
         if now < self._next_read:
             return None
         self._next_read = now + HB_READ * self._heartbeat
+        if not self._hb_keys:
+            self._hb_keys = [K.group_key(self._world, f"hb/{r}") for r in range(self._world)]
+            self._beats = [_Beat() for _ in range(self._world)]
         values = lane.peek_many(self._hb_keys)
         for rank, value in enumerate(values):
             if value == b"0":  # dropped where keys cannot be deleted (Lane.drop_counter)
