@@ -240,6 +240,10 @@ PYBIND11_MODULE(_C, m) {
         }
         return out;
       }
+      if (kind == "reader") {
+        auto rank = K::parse_reader(data, world);
+        return rank ? py::object(py::int_(*rank)) : py::object(py::none());
+      }
       if (kind == "world_sizes") {  // data: the token, then one key name per line
         std::vector<std::string> lines;
         size_t pos = 0;

@@ -133,6 +133,10 @@ std::string abort_key(int world_size) {
   return group_key(world_size, "abort");
 }
 
+std::string reader_key(int world_size) {
+  return group_key(world_size, "reader");
+}
+
 std::string entry_count(const std::string& key) {
   return key + "/e";
 }
@@ -229,6 +233,19 @@ std::string join_chunks(const std::vector<std::string>& parts) {
 int notice_rank(const std::string& text) {
   auto n = int64_of(text.data(), text.data() + text.size());
   return n && *n >= -1 && *n < (int64_t{1} << 31) ? static_cast<int>(*n) : -1;
+}
+
+std::optional<int> parse_reader(const std::string& value, int world_size) {
+  size_t colon = value.find(':');
+  if (colon == std::string::npos) {
+    return std::nullopt;
+  }
+  auto rank = int64_of(value.data(), value.data() + colon);
+  auto count = int64_of(value.data() + colon + 1, value.data() + value.size());
+  if (!rank || !count || *rank < 0 || *rank >= world_size) {
+    return std::nullopt;
+  }
+  return static_cast<int>(*rank);
 }
 
 int64_t parse_counter(const std::string& value) {

@@ -66,6 +66,8 @@ std::vector<std::string> rank_slots(const std::string& prefix, int world_size, i
 std::string group_key(int world_size, const std::string& name);
 // The group's abort notice "{rank}:{reason}", written once (compare_set from empty).
 std::string abort_key(int world_size);
+// Which rank reads the group's heartbeat counters for everyone blocked: "{rank}:{n}".
+std::string reader_key(int world_size);
 std::string chunk_key(const std::string& key, size_t index);
 // On a store without compare_set: the counter (add) of the entries appended to `key` (or the
 // ticket of a write-once `key`), "{key}/e", and entry `index` (from 1), "{key}/e{index}".
@@ -97,6 +99,9 @@ size_t chunk_count(const std::string& value);
 std::string join_chunks(const std::vector<std::string>& parts);
 // The rank of an abort notice "{rank}:{reason}": -1 unless a decimal in [-1, 2^31).
 int notice_rank(const std::string& text);
+// The rank named by a reader_key value "{rank}:{n}" (two decimal int64s, the rank in
+// [0, world_size)); nullopt for anything else (the value is then only compared).
+std::optional<int> parse_reader(const std::string& value, int world_size);
 // A counter written by add(): a decimal int64.
 int64_t parse_counter(const std::string& value);
 // Where one frame's payload lies in a log: no copies, so reading N frames allocates once.

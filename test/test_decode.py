@@ -20,7 +20,7 @@ from torch_ctrl import keys as K
 from torch_ctrl.errors import CollectiveError
 
 HAVE_CPP = torch_ctrl.backend() == "cpp"
-KINDS = ["chunks", "counter", "total", "frames", "names", "world_sizes"]
+KINDS = ["chunks", "counter", "total", "frames", "names", "reader", "world_sizes"]
 
 
 def _outcome(fn, *args):  # noqa: ANN001, ANN202

@@ -146,6 +146,12 @@ def abort_key(world_size: int) -> str:
     return group_key(world_size, "abort")
 
 
+def reader_key(world_size: int) -> str:
+    """Which rank reads the group's heartbeat counters for everyone blocked (liveness):
+    ``b"{rank}:{n}"``, ``n`` counting that rank's reads (see ``parse_reader``)."""
+    return group_key(world_size, "reader")
+
+
 def parse_notice(notice: bytes) -> tuple[int, str]:
     """``(rank, reason)`` of an abort notice; rank -1 when unreadable."""
     head, _, tail = notice.partition(b":")
@@ -298,6 +304,16 @@ def parse_names(log: bytes, world_size: int | None = None) -> set[int]:
     return out
 
 
+def parse_reader(value: bytes, world_size: int) -> int | None:
+    """The rank named by a ``reader_key`` value ``b"{rank}:{n}"`` (two decimal int64s, the rank
+    in ``[0, world_size)``); ``None`` for anything else (the value is then only compared)."""
+    head, colon, tail = value.partition(b":")
+    rank = _int64(head)
+    if not colon or rank is None or _int64(tail) is None or not 0 <= rank < world_size:
+        return None
+    return rank
+
+
 def other_world_sizes(names: list[str], world_size: int, token: str) -> list[int]:
     """The world sizes, other than ``world_size``, of groups with keys of the collective
     ``token`` among ``names`` (a store's ``list_keys``, relative to the group's namespace):
@@ -320,7 +336,7 @@ def other_world_sizes(names: list[str], world_size: int, token: str) -> list[int
 
 def decode(kind: str, data: bytes, world_size: int) -> object:
     """One decoder by name, for the twin fuzz tests: ``chunks``, ``counter``, ``total``,
-    ``frames``, ``names`` or ``world_sizes``; raises DecodeError like the decoder itself."""
+    ``frames``, ``names``, ``reader`` or ``world_sizes``; raises DecodeError like the decoder itself."""
     if kind == "chunks":
         return chunk_count(data)
     if kind == "counter":
@@ -334,6 +350,8 @@ def decode(kind: str, data: bytes, world_size: int) -> object:
         return parse_frames(data, world_size)
     if kind == "names":
         return sorted(parse_names(data, world_size))
+    if kind == "reader":
+        return parse_reader(data, world_size)
     if kind == "world_sizes":  # data: the token, then one key name per line
         token_, *names = data.decode("latin-1").split("\n")
         return other_world_sizes(names, world_size, token_)
