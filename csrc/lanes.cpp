@@ -430,6 +430,10 @@ std::optional<std::string> Lane::peek_log(const std::string& key, int64_t most) 
   return log;
 }
 
+std::string Lane::swap(const std::string& key, const std::string& expected, const std::string& desired) {
+  return str(store->compareSet(key, bytes(expected), bytes(desired)));
+}
+
 std::string Lane::claim(const std::string& key, const std::string& value) {
   if (cas) {
     return str(store->compareSet(key, {}, bytes(value)));

@@ -76,6 +76,10 @@ struct Lane {
   // Write `value` unless a value was written first; return the value that stands (without
   // compare_set: a later caller waits up to 1 s for the first caller's write).
   std::string claim(const std::string& key, const std::string& value);
+  // compare_set: write `desired` if `key` holds `expected` (or is absent and `expected` is
+  // empty); what then stands. Absent with `expected` not empty: every torch store returns
+  // `expected` and writes nothing. Only where `cas`.
+  std::string swap(const std::string& key, const std::string& expected, const std::string& desired);
   // peek several keys: one check and one multi_get when all exist; where keys can vanish, the
   // multi_get waits kQuietWait on the lane's own connection, then one peek per key (as on
   // shared clients and polled stores): a key deleted after the check would hold it otherwise.

@@ -43,6 +43,15 @@ struct Watcher::State {
   std::vector<std::string> hb_keys;
   std::vector<Beat> beats;
   Clock::time_point next_read{};  // the earliest next heartbeat read (see kHbRead)
+  Clock::time_point last_read{};  // when the counters were last read (some or all)
+  // One reader for the group's blocked ranks (see Watcher::turn): the value this rank wrote to
+  // the reader key while it is the reader (set under the mutex: callers look at it), else the
+  // value it last read there and on how many reads in a row.
+  std::string reader_key;
+  std::optional<std::string> reading;
+  std::optional<std::string> seen;
+  int seen_times = 0;
+  int64_t turns = 0;
   std::mutex mutex;
   std::condition_variable cv;
   std::deque<Task> tasks;
@@ -77,6 +86,7 @@ Watcher::Watcher(std::shared_ptr<Lanes> lanes, int rank, int world_size, std::op
   // watcher thread), so a large world costs nothing until heartbeats are read.
   state_->world = world_size;
   state_->hb_key = keys::group_key(world_size, "hb/" + std::to_string(rank));
+  state_->reader_key = keys::reader_key(world_size);
   if (heartbeat) {
     std::lock_guard<std::mutex> lock(state_->mutex);
     start_locked();
@@ -232,6 +242,9 @@ Watcher::Blocked::~Blocked() {
         names = it->second.names_key;
       }
       w_.state_->blocked.erase(it);
+      if (w_.state_->blocked.empty() && w_.state_->reading && w_.state_->sleeping) {
+        w_.state_->cv.notify_all();  // hand the reading over now (see Watcher::release)
+      }
     }
   }
   if (!names.empty()) {
@@ -248,34 +261,12 @@ constexpr double kHealConnect = 1.0;
 
 void Watcher::poll(State& st, Lane& lane) {
   auto notice = lane.peek(st.abort_key);
-  auto now = Clock::now();
-  if (!notice && st.heartbeat && now >= st.next_read) {
-    st.next_read = now + secs(kHbRead * *st.heartbeat);
-    if (st.hb_keys.empty()) {
-      for (int r = 0; r < st.world; ++r) {
-        st.hb_keys.push_back(keys::group_key(st.world, "hb/" + std::to_string(r)));
-      }
-      st.beats.resize(st.world);
-    }
-    auto values = lane.peek_many(st.hb_keys);
-    for (size_t r = 0; r < values.size(); ++r) {
-      if (values[r] == "0") {  // dropped where keys cannot be deleted (Lane::drop_counter)
-        values[r].reset();
-      }
-      Beat& beat = st.beats[r];
-      if (values[r] != beat.value) {
-        beat.value = values[r];
-        beat.since = now;
-        continue;
-      }
-      double silent = std::chrono::duration<double>(now - beat.since).count();
-      if (values[r] && static_cast<int>(r) != st.rank && silent > kDeadAfter * *st.heartbeat) {
-        char reason[96];
-        std::snprintf(reason, sizeof(reason), "%zu:no heartbeat for %.1fs (process died or hung)", r, silent);
-        std::string mine(reason);
-        notice = lane.claim(st.abort_key, mine);
-        break;
-      }
+  if (!notice && st.heartbeat) {
+    if (auto dead = find_dead(st, lane)) {
+      char reason[96];
+      std::snprintf(reason, sizeof(reason), "%d:no heartbeat for %.1fs (process died or hung)", dead->first, dead->second);
+      std::string mine(reason);
+      notice = lane.claim(st.abort_key, mine);
     }
   }
   if (notice) {
@@ -285,6 +276,134 @@ void Watcher::poll(State& st, Lane& lane) {
     }
     st.cv.notify_all();
   }
+}
+
+std::optional<std::pair<int, double>> Watcher::find_dead(State& st, Lane& lane) {
+  auto now = Clock::now();
+  if (now < st.next_read) {
+    return std::nullopt;
+  }
+  st.next_read = now + secs(kHbRead * *st.heartbeat);
+  if (st.hb_keys.empty()) {
+    for (int r = 0; r < st.world; ++r) {
+      st.hb_keys.push_back(keys::group_key(st.world, "hb/" + std::to_string(r)));
+    }
+    st.beats.resize(st.world);
+  }
+  // One reader needs compare_set, and delete_key to hand over; elsewhere everyone reads.
+  bool shared = lane.cas && lane.deletes;
+  std::optional<std::vector<int>> ranks;
+  bool renew_after = false;
+  if (shared) {
+    std::tie(ranks, renew_after) = turn(st, lane);
+  }
+  std::vector<std::optional<std::string>> values;
+  if (!ranks) {
+    values = lane.peek_many(st.hb_keys);
+    ranks.emplace(st.world);
+    for (int r = 0; r < st.world; ++r) {
+      (*ranks)[r] = r;
+    }
+  } else {
+    for (int r : *ranks) {
+      values.push_back(lane.peek(st.hb_keys[r]));
+    }
+  }
+  auto last = st.last_read;
+  st.last_read = now;
+  double limit = kDeadAfter * *st.heartbeat;
+  std::optional<std::pair<int, double>> dead;
+  for (size_t i = 0; i < ranks->size() && i < values.size(); ++i) {
+    int r = (*ranks)[i];
+    auto& value = values[i];
+    if (value == "0") {  // dropped where keys cannot be deleted (Lane::drop_counter)
+      value.reset();
+    }
+    Beat& beat = st.beats[r];
+    double silent = std::chrono::duration<double>(now - beat.since).count();
+    // A counter not read on the previous read (this rank read only the reader's then) counts
+    // from now: silence is only ever measured between reads in a row.
+    if (value != beat.value || beat.read_at != last) {
+      beat.value = value;
+      beat.since = now;
+    } else if (!dead && value && r != st.rank && silent > limit) {
+      dead = std::make_pair(r, silent);
+    }
+    beat.read_at = now;
+  }
+  if (renew_after && !dead) {  // a reader that found a dead rank aborts the group instead
+    renew(st, lane);
+  }
+  return dead;
+}
+
+std::pair<std::optional<std::vector<int>>, bool> Watcher::turn(State& st, Lane& lane) {
+  if (st.reading) {  // written only by this thread (under the mutex, for callers' reads)
+    return {std::nullopt, true};
+  }
+  auto seen = lane.peek(st.reader_key);
+  if (seen && seen == st.seen) {
+    ++st.seen_times;
+  } else {
+    st.seen = seen;
+    st.seen_times = 1;
+  }
+  if (!seen || st.seen_times >= kStaleReads) {
+    std::string expected = seen.value_or("");
+    std::string mine = std::to_string(st.rank) + ":" + std::to_string(++st.turns);
+    std::string stands = lane.swap(st.reader_key, expected, mine);
+    if (stands == mine) {
+      set_reading(st, mine);
+      return {std::nullopt, false};
+    }
+    if (stands == expected) {  // the stale key went away meanwhile: read everyone this time
+      st.seen.reset();
+      st.seen_times = 0;
+      return {std::nullopt, false};
+    }
+    st.seen = stands;  // another rank took it first
+    st.seen_times = 1;
+  }
+  std::optional<int> reader = st.seen ? keys::parse_reader(*st.seen, st.world) : std::nullopt;
+  std::vector<int> out;
+  if (reader && *reader != st.rank) {
+    out.push_back(*reader);
+  }
+  return {out, false};
+}
+
+void Watcher::renew(State& st, Lane& lane) {
+  std::string held = *st.reading;
+  std::string mine = std::to_string(st.rank) + ":" + std::to_string(++st.turns);
+  std::string stands = lane.swap(st.reader_key, held, mine);
+  set_reading(st, stands == mine ? std::optional<std::string>(mine) : std::nullopt);
+  if (stands != mine) {
+    if (stands == held) {
+      st.seen.reset();
+      st.seen_times = 0;
+    } else {
+      st.seen = stands;
+      st.seen_times = 1;
+    }
+  }
+}
+
+void Watcher::set_reading(State& st, std::optional<std::string> value) {
+  std::lock_guard<std::mutex> lock(st.mutex);
+  st.reading = std::move(value);
+}
+
+void Watcher::release(State& st, Lane& lane) {
+  {
+    std::lock_guard<std::mutex> lock(st.mutex);
+    if (!st.blocked.empty() && !leaving()) {  // blocked again meanwhile: go on reading
+      return;
+    }
+    st.reading.reset();
+  }
+  st.seen.reset();
+  st.seen_times = 0;
+  lane.remove(st.reader_key);
 }
 
 void Watcher::run(std::shared_ptr<State> st) {
@@ -356,12 +475,13 @@ void Watcher::run(std::shared_ptr<State> st) {
     if (!st->later.empty()) {
       consider(st->later.begin()->first);
     }
+    bool do_release = st->reading && !waiting;
     std::deque<Task> tasks;
     if (!st->tasks.empty()) {
       tasks.push_back(std::move(st->tasks.front()));
       st->tasks.pop_front();
     }
-    if (tasks.empty() && names.empty() && wakes.empty() && !do_poll && !do_beat) {
+    if (tasks.empty() && names.empty() && wakes.empty() && !do_poll && !do_beat && !do_release) {
       if (st->closed && !waiting && st->later.empty()) {
         break;
       }
@@ -395,6 +515,9 @@ void Watcher::run(std::shared_ptr<State> st) {
     }
     if (do_poll) {
       safely([&] { poll(*st, *lane); });
+    }
+    if (do_release) {
+      safely([&] { release(*st, *lane); });
     }
     for (const auto& key : names) {
       safely([&] { lane->append(key, std::to_string(rank) + ","); });

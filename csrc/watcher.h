@@ -51,6 +51,10 @@ constexpr double kDeadAfter = 2.5;
 // large job lowers that. Counters move once per interval, so reading them more often than
 // every half interval adds nothing but load.
 constexpr double kHbRead = 0.5;
+// A blocked rank that finds the reader key unchanged on this many reads in a row takes the
+// reading over: the reader renews the key after each of its reads, so it loses it only by
+// missing two reads in a row (hung, or gone without handing over).
+constexpr int kStaleReads = 3;
 
 class Watcher {
  public:
@@ -97,6 +101,7 @@ class Watcher {
   struct Beat {
     std::optional<std::string> value;
     Clock::time_point since = Clock::now();
+    Clock::time_point read_at{};  // when this counter was last read
   };
   struct State;  // shared with the thread, so a detached thread stays valid
   void start_locked();
@@ -107,6 +112,15 @@ class Watcher {
   // again (a weak reference: a task left behind never keeps the watcher's state alive).
   static Task retrying(std::weak_ptr<State> state, std::shared_ptr<Retry> task);
   static void poll(State& st, Lane& lane);
+  // A rank whose heartbeat has not moved for kDeadAfter intervals, and for how long (seconds).
+  static std::optional<std::pair<int, double>> find_dead(State& st, Lane& lane);
+  // Whose counters this read covers (nullopt: all ranks), and whether to renew the reader key
+  // after it (twin of Watcher._turn, which says why).
+  static std::pair<std::optional<std::vector<int>>, bool> turn(State& st, Lane& lane);
+  static void renew(State& st, Lane& lane);
+  static void set_reading(State& st, std::optional<std::string> value);
+  // No caller blocked any more: hand the reading over (delete the reader key).
+  static void release(State& st, Lane& lane);
 
   std::shared_ptr<State> state_;
   std::string abort_key_;

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from helpers import IMPLS, Stores, make, run_group, run_ranks
 
 from torch_ctrl import CollectiveAbortedError
+from torch_ctrl import keys as K
 from torch_ctrl.counting import CountingStore
 
 WORLD = 4
@@ -198,11 +199,42 @@ def test_sigkilled_rank_is_detected_within_5s(impl: str) -> None:
             p.join(10)
             if p.is_alive():
                 p.kill()
+    _assert_declared_dead(results, 2, killed)
+
+
+def _assert_declared_dead(results: list, dead: int, killed: float) -> None:
+    """Every result is an abort naming ``dead``'s stopped heartbeat, within 5 s of the kill."""
     for kind, rank, when, *rest in results:
         assert kind == "aborted", (kind, rank, rest)
         dead_rank, reason = rest
-        assert dead_rank == 2 and "no heartbeat" in reason
+        assert dead_rank == dead and "no heartbeat" in reason, rest
         assert when - killed < 5.0, when - killed
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif("cpp" not in IMPLS, reason="C++ extension not built")
+def test_a_sigkilled_reader_is_detected_within_5s(impl: str) -> None:
+    """The rank that reads everyone's heartbeat for the blocked ranks is itself SIGKILLed
+    while blocked: the others, who read its counter, declare it dead within 5 intervals."""
+    from datetime import timedelta
+
+    server, queue, procs = _spawn(impl, 4, 1.0, {3: 120.0})  # rank 3 is busy elsewhere
+    try:
+        for _ in range(4):
+            assert queue.get(timeout=60)[0] == "ready"
+        server.wait([K.reader_key(4)], timedelta(seconds=30))  # ranks 0-2 blocked, one reads
+        reader = K.parse_reader(server.get(K.reader_key(4)), 4)
+        assert reader in (0, 1, 2)
+        killed = time.time()
+        os.kill(procs[reader].pid, signal.SIGKILL)
+        results = [queue.get(timeout=30) for _ in range(2)]
+    finally:
+        procs[3].kill()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    _assert_declared_dead(results, reader, killed)
 
 
 @pytest.mark.timeout(90)
@@ -285,6 +317,111 @@ def test_heartbeats_are_read_at_most_every_half_interval(impl: str, chain: bool)
     assert 1 <= len(peer_reads) <= 3, peer_reads
     gaps = [b - a for a, b in zip(peer_reads, peer_reads[1:])]
     assert all(gap >= 2.0 - 0.05 for gap in gaps), gaps
+
+
+def _hb_rank(key: str) -> int | None:
+    """The rank of a heartbeat counter key (``.../_/hb/{rank}``), else None."""
+    head, _, tail = key.rpartition("/_/hb/")
+    return int(tail) if head and tail.isdigit() else None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chain", [False, True], ids=["plain", "prefix"])
+def test_one_blocked_rank_reads_every_heartbeat(impl: str, chain: bool) -> None:
+    """Five of six ranks blocked together: one of them (the reader) reads all six heartbeat
+    counters, the other four read only the reader's. Every blocked rank reading all N
+    counters costs the server N^2 per read; this is N + 2 per blocked rank. Each rank reads
+    through a recording store of its own, over one HashStore (under a PrefixStore too)."""
+    from datetime import timedelta
+
+    from torch_ctrl import CollectiveTimeoutError
+
+    world = 6
+    shared = dist.HashStore()
+    recorders = [_ReadTimes(shared) for _ in range(world)]
+    colls = [
+        make(impl, dist.PrefixStore("job", rec) if chain else rec, r, world, heartbeat_interval=1.0)
+        for r, rec in enumerate(recorders)
+    ]
+
+    def fn(rank: int) -> None:
+        if rank == world - 1:  # beats, never joins
+            return
+        with pytest.raises(CollectiveTimeoutError):
+            colls[rank].barrier("held", timedelta(seconds=3))
+
+    try:
+        run_ranks(world, fn, timeout=40)
+    finally:
+        for c in colls:
+            c.close()
+    read = [{} for _ in range(world)]  # per rank: {counter's rank: times read}
+    for r, rec in enumerate(recorders):
+        for _, key in rec.reads:
+            owner = _hb_rank(key)
+            if owner is not None:
+                read[r][owner] = read[r].get(owner, 0) + 1
+    readers = [r for r in range(world) if read[r].get(world - 1)]
+    assert len(readers) == 1, read
+    reader = readers[0]
+    assert 2 <= read[reader][world - 1] <= 5, read  # about once per 0.7 s poll
+    for r in range(world - 1):
+        if r != reader:
+            assert set(read[r]) == {reader} and read[r][reader] >= 2, (r, read)
+    assert not shared.check([K.reader_key(world) if not chain else "job/" + K.reader_key(world)])
+
+
+@pytest.mark.timeout(60)
+def test_a_blocked_rank_takes_the_reading_over_when_the_readers_op_ends(impl: str) -> None:
+    """Rank 0 blocks alone first and becomes the reader; its op then ends (a timeout) while
+    ranks 1 and 2 stay blocked. One of them takes the reading over and finds rank 3's
+    counter, written once and never again (a dead rank), silent: both are aborted naming
+    rank 3 within 5 intervals of rank 0's op ending, and no reader key is left behind."""
+    from datetime import timedelta
+
+    from torch_ctrl import CollectiveTimeoutError
+
+    world = 4
+    store = dist.HashStore()
+    store.add(K.group_key(world, "hb/3"), 1)  # rank 3 beat once, then died
+    colls = [make(impl, store, r, world, heartbeat_interval=1.0) for r in range(3)]
+    ended: list[float] = []
+    out: list[object] = [None] * 3
+
+    def blocked(rank: int) -> None:
+        try:
+            colls[rank].barrier("held", timedelta(seconds=20))
+        except CollectiveAbortedError as exc:
+            out[rank] = (exc.rank, exc.reason, time.monotonic())
+
+    try:
+        with pytest.raises(CollectiveTimeoutError):
+            first = threading.Thread(target=blocked, args=(1,))
+            second = threading.Thread(target=blocked, args=(2,))
+
+            def start_once_rank_0_reads() -> None:
+                store.wait([K.reader_key(world)], timedelta(seconds=10))
+                first.start()
+                second.start()
+
+            starter = threading.Thread(target=start_once_rank_0_reads)
+            starter.start()
+            try:
+                colls[0].barrier("alone", timedelta(seconds=2.0))  # nobody else joins it
+            finally:
+                ended.append(time.monotonic())
+                starter.join()
+        first.join(30)
+        second.join(30)
+    finally:
+        for c in colls:
+            c.close()
+    for rank in (1, 2):
+        assert out[rank] is not None, out
+        dead, reason, when = out[rank]  # type: ignore[misc]
+        assert dead == 3 and "no heartbeat" in reason, out[rank]
+        assert when - ended[0] < 5.0, when - ended[0]
+    assert not store.check([K.reader_key(world)])
 
 
 @pytest.mark.parametrize("how", ["close", "gc"])

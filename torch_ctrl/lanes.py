@@ -550,6 +550,13 @@ class Lane:
             pause = min(pause * 2, 0.05)
         return stands or value
 
+    def swap(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """``compare_set``: write ``desired`` if ``key`` holds ``expected`` (or is absent and
+        ``expected`` is empty); return what then stands. Where the key is absent and ``expected``
+        is not empty, every torch store returns ``expected`` and writes nothing. Only where
+        ``cas``."""
+        return bytes(self.store.compare_set(key, expected, desired))
+
     def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """``peek`` several keys: one check and one multi_get when all exist. A key deleted
         between the two (a rank that closes drops its heartbeat) would hold a plain multi_get

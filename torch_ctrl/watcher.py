@@ -13,7 +13,9 @@ It does the work that must not sit on a collective's critical path:
   marker into the key that caller waits on (each blocking call registers how);
 * **liveness** (opt in): heartbeats every ``heartbeat_interval``, and, while a
   caller is blocked, a rank whose heartbeat stops for ``DEAD_AFTER`` intervals is
-  declared dead: the watcher writes the abort notice on its behalf.
+  declared dead: the watcher writes the abort notice on its behalf. One blocked rank
+  at a time, the *reader*, reads every rank's counter; the other blocked ranks read
+  only the reader's (see ``_turn``).
 
 The thread starts on first use and stops on ``close()`` after draining its
 queue; unclosed watchers are stopped at interpreter exit.
@@ -66,6 +68,10 @@ DEAD_AFTER = 2.5
 # large job lowers that. Counters move once per interval, so reading them more often than
 # every half interval adds nothing but load.
 HB_READ = 0.5
+# A blocked rank that finds the reader key unchanged on this many reads in a row takes the
+# reading over: the reader renews the key after each of its reads, so it loses it only by
+# missing two reads in a row (hung, or gone without handing over).
+STALE_READS = 3
 
 _LIVE: weakref.WeakSet[Watcher] = weakref.WeakSet()
 # Set once the interpreter exits: watchers then only drain their cleanup and stop, even with
@@ -141,6 +147,7 @@ class _BlockedScope:
 class _Beat:
     value: bytes | None = None
     since: float = field(default_factory=time.monotonic)
+    read_at: float = 0.0  # when this counter was last read
 
 
 HEAL_CONNECT = 1.0  # seconds the watcher waits to open a new connection (tried again on its next wake)
@@ -163,6 +170,15 @@ class Watcher:
         self._hb_keys: list[str] = []
         self._beats: list[_Beat] = []
         self._next_read = 0.0  # the earliest next heartbeat read (see HB_READ)
+        self._last_read = 0.0  # when the counters were last read (some or all)
+        # One reader for the group's blocked ranks (see _turn): the value this rank wrote to the
+        # reader key while it is the reader (set under the lock: callers look at it), else the
+        # value it last read there and on how many reads in a row.
+        self._reader_key = K.reader_key(world_size)
+        self._reading: bytes | None = None
+        self._seen: bytes | None = None
+        self._seen_times = 0
+        self._turns = itertools.count(1)
         self._cv = threading.Condition()
         self._tasks: deque[Task] = deque()
         # Retry tasks waiting for their next run: (when, tie-breaker, task), earliest first.
@@ -241,6 +257,8 @@ class Watcher:
     def _exit_blocked(self, ident: int, ok: bool) -> None:
         with self._cv:
             entry = self._blocked.pop(ident, None)
+            if not self._blocked and self._reading is not None and self._sleeping:
+                self._cv.notify_all()  # hand the reading over now (see _release)
         if ok and entry is not None and entry.named:
             # This rank appended its name: once the op has succeeded nobody reads the NAMES
             # log, and the rank deletes it after its own append (the watcher keeps the order).
@@ -302,8 +320,9 @@ class Watcher:
             self._thread = threading.Thread(target=self._run, name="torch_ctrl-watcher", daemon=True)
             self._thread.start()
 
-    def _next_work(self) -> tuple[list[Task], list[str], list[_Blocked], bool, bool]:
-        """Wait for something to do: (tasks, names to publish, callers to wake, poll?, beat?)."""
+    def _next_work(self) -> tuple[list[Task], list[str], list[_Blocked], bool, bool, bool]:
+        """Wait for something to do: (tasks, names to publish, callers to wake, poll?, beat?,
+        release the reading?)."""
         with self._cv:
             while True:
                 now = time.monotonic()
@@ -326,11 +345,12 @@ class Watcher:
                 beat = self._heartbeat is not None and not self._closed and now >= self._next_beat
                 if beat:
                     self._next_beat = now + self._heartbeat  # type: ignore[operator]
-                if self._tasks or names or wake or poll or beat or self._done():
+                release = self._reading is not None and not blocked
+                if self._tasks or names or wake or poll or beat or release or self._done():
                     tasks = [self._tasks.popleft()] if self._tasks else []
                     self._busy = bool(tasks)
                     self._cv.notify_all()
-                    return tasks, names, wake, poll, beat
+                    return tasks, names, wake, poll, beat, release
                 due = [b.due for b in blocked if not b.named]
                 if blocked and self.notice is None:
                     due.append(self._next_poll)
@@ -364,11 +384,13 @@ class Watcher:
                 self._cv.notify_all()
             return
         while True:
-            tasks, names, wake, poll, beat = self._next_work()
+            tasks, names, wake, poll, beat, release = self._next_work()
             if beat:
                 self._safely(lambda ln: ln.add(self._hb_key, 1), lane)
             if poll:
                 self._safely(self._poll, lane)
+            if release:
+                self._safely(self._release, lane)
             for key in names:
                 self._safely(lambda ln, k=key: ln.append(k, b"%d," % self._rank), lane)
             for blocked in wake:
@@ -414,16 +436,87 @@ class Watcher:
         if not self._hb_keys:
             self._hb_keys = [K.group_key(self._world, f"hb/{r}") for r in range(self._world)]
             self._beats = [_Beat() for _ in range(self._world)]
-        values = lane.peek_many(self._hb_keys)
-        for rank, value in enumerate(values):
+        # One reader needs compare_set, and delete_key to hand over; elsewhere everyone reads.
+        shared = lane.cas and lane.deletes
+        ranks, renew = self._turn(lane) if shared else (None, False)
+        if ranks is None:
+            values = lane.peek_many(self._hb_keys)
+            ranks = list(range(self._world))
+        else:
+            values = [lane.peek(self._hb_keys[r]) for r in ranks]
+        last, self._last_read = self._last_read, now
+        limit = DEAD_AFTER * self._heartbeat
+        dead = None
+        for rank, value in zip(ranks, values):
             if value == b"0":  # dropped where keys cannot be deleted (Lane.drop_counter)
                 value = None
             beat = self._beats[rank]
-            if value != beat.value:
+            # A counter not read on the previous read (this rank read only the reader's then)
+            # counts from now: silence is only ever measured between reads in a row.
+            if value != beat.value or beat.read_at != last:
                 beat.value, beat.since = value, now
-            elif value is not None and rank != self._rank and now - beat.since > DEAD_AFTER * self._heartbeat:
-                return rank, now - beat.since
-        return None
+            elif dead is None and value is not None and rank != self._rank and now - beat.since > limit:
+                dead = rank, now - beat.since
+            beat.read_at = now
+        if renew and dead is None:  # a reader that found a dead rank aborts the group instead
+            self._renew(lane)
+        return dead
+
+    def _turn(self, lane: Lane) -> tuple[list[int] | None, bool]:
+        """Whose counters this read covers, and whether to renew the reader key after it.
+
+        One blocked rank, the reader, reads all N counters and renews the reader key
+        (``b"{rank}:{n}"``) after each read; every other blocked rank reads the key and the
+        reader's counter only, so a group of blocked ranks costs the server O(N) per read
+        period instead of O(N^2). A rank takes the reading over (``compare_set``) when the key
+        is absent (nobody reads, or the reader's op ended and it handed over) or unchanged on
+        STALE_READS reads in a row; a reader whose heartbeat stops is declared dead by the
+        others, who read its counter. ``None``: all ranks."""
+        if self._reading is not None:
+            return None, True
+        seen = lane.peek(self._reader_key)
+        if seen is not None and seen == self._seen:
+            self._seen_times += 1
+        else:
+            self._seen, self._seen_times = seen, 1
+        if seen is None or self._seen_times >= STALE_READS:
+            expected = seen or b""
+            mine = b"%d:%d" % (self._rank, next(self._turns))
+            stands = lane.swap(self._reader_key, expected, mine)
+            if stands == mine:
+                self._set_reading(mine)
+                return None, False
+            if stands == expected:  # the stale key went away meanwhile: read everyone this time
+                self._seen, self._seen_times = None, 0
+                return None, False
+            self._seen, self._seen_times = stands, 1  # another rank took it first
+        reader = K.parse_reader(self._seen, self._world) if self._seen is not None else None
+        return ([reader] if reader is not None and reader != self._rank else []), False
+
+    def _renew(self, lane: Lane) -> None:
+        """After a read as the reader: a new value in the reader key, unless another rank took
+        it over meanwhile (or it went away): then follow that rank (or take it again)."""
+        held = self._reading
+        assert held is not None
+        mine = b"%d:%d" % (self._rank, next(self._turns))
+        stands = lane.swap(self._reader_key, held, mine)
+        self._set_reading(mine if stands == mine else None)
+        if stands != mine:
+            self._seen, self._seen_times = (None, 0) if stands == held else (stands, 1)
+
+    def _set_reading(self, value: bytes | None) -> None:
+        with self._cv:
+            self._reading = value
+
+    def _release(self, lane: Lane) -> None:
+        """No caller blocked any more: hand the reading over (delete the reader key), so that
+        a rank still blocked takes it on its next read rather than after STALE_READS."""
+        with self._cv:
+            if self._blocked and not _LEAVING:  # blocked again meanwhile: go on reading
+                return
+            self._reading = None
+        self._seen, self._seen_times = None, 0
+        lane.delete(self._reader_key)
 
     def _safely(self, task: Task, lane: Lane) -> None:
         try:
