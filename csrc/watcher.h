@@ -46,10 +46,11 @@ constexpr double kLinger = 1.0;
 constexpr double kPoll = 0.7;
 constexpr double kDeadAfter = 2.5;
 // The heartbeat counters are read on a poll at most once per this many intervals (from an
-// interval of 2 * kPoll, not on every poll): each read returns all N counters, so the blocked
-// ranks' reads together cost the server O(N^2) per read period, and a longer interval is how a
-// large job lowers that. Counters move once per interval, so reading them more often than
-// every half interval adds nothing but load.
+// interval of 2 * kPoll, not on every poll): the reader's read returns all N counters (the
+// other blocked ranks read two keys, see the reader below), so a group of blocked ranks costs
+// the server O(N) per read period, and a longer interval is how a large job lowers that.
+// Counters move once per interval, so reading them more often than every half interval adds
+// nothing but load.
 constexpr double kHbRead = 0.5;
 // A blocked rank that finds the reader key unchanged on this many reads in a row takes the
 // reading over: the reader renews the key after each of its reads, so it loses it only by
