@@ -4,6 +4,7 @@
 #include "keys.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -674,6 +675,7 @@ Lanes::Lanes(c10::intrusive_ptr<c10d::Store> store, bool cas, bool deletes)
   bool tcp = dynamic_cast<c10d::TCPStore*>(base.get()) != nullptr;
   bool file = dynamic_cast<c10d::FileStore*>(base.get()) != nullptr;
   polled_ = file;
+  local_ = dynamic_cast<c10d::HashStore*>(base.get()) != nullptr;
   // Own connections: clones where this torch has clone(), else new TCPStore clients (a
   // FileStore without clone() is shared: its calls never hold a lock while they wait).
   owned_ = compat::kClone ? (tcp || file) : tcp;

@@ -129,6 +129,9 @@ class Lanes {
   bool native_barrier() const { return native_barrier_; }
   bool deletes() const { return deletes_; }
   bool tcp() const { return tcp_; }  // a TCPStore under any PrefixStores (either path)
+  // An in-process store (a HashStore under any PrefixStores): its calls never wait on I/O, so
+  // an op's cleanup costs less made by the caller than handed to the watcher thread.
+  bool local() const { return local_; }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;
@@ -140,6 +143,7 @@ class Lanes {
   bool deletes_;
   std::string prefix_;
   bool tcp_ = false;  // a TCPStore under the PrefixStores: new lanes are new clients
+  bool local_ = false;  // a HashStore under the PrefixStores
   std::mutex mutex_;
   std::vector<std::unique_ptr<Lane>> free_;
 };

@@ -798,11 +798,26 @@ std::set<int> StoreCollectives::present_slots(const Op& op, Lane& lane, const Li
 
 // ----------------------------------------------------------------------- cleanup
 
+void StoreCollectives::cleanup(Task task) {
+  if (!lanes_->local()) {
+    watcher_->submit(std::move(task));  // a round trip or a file lock each: off the critical path
+    return;
+  }
+  // A HashStore's calls never wait: handing them to the watcher thread (a wake-up, a lock
+  // shared with it) would cost the caller more than the calls (docs/benchmarks.md).
+  try {
+    LaneGuard lane(*lanes_);
+    task(*lane);
+  } catch (const std::exception&) {
+    // best effort, as on the watcher (a value torch_ctrl could not have written stays)
+  }
+}
+
 void StoreCollectives::delete_later(std::vector<std::string> keys) {
   if (!lanes_->deletes()) {  // a store whose keys stay (see store_api in torch_ctrl/lanes.py)
     return;
   }
-  watcher_->submit([keys = std::move(keys)](Lane& lane) {
+  cleanup([keys = std::move(keys)](Lane& lane) {
     for (const auto& key : keys) {
       lane.remove(key);
     }
@@ -834,7 +849,7 @@ void StoreCollectives::exit_later(
   keys.push_back(exit_key);
   std::string prefix = slots ? op.prefix : std::string();
   int world = world_;
-  watcher_->submit([exit_key, expected, keys = std::move(keys), prefix, world](Lane& lane) {
+  cleanup([exit_key, expected, keys = std::move(keys), prefix, world](Lane& lane) {
     // At or past kAbortBias the op was aborted: its keys stay (like a timed-out op's).
     int64_t count = lane.add(exit_key, 1);
     if (count >= expected && count < K::kAbortBias) {

@@ -128,6 +128,9 @@ class StoreCollectives {
   bool other_path(const Op& op, Lane& lane, const Listing& names);
   std::string other_world_sizes(const Op& op, const Listing& names);
 
+  // An op's cleanup: handed to the watcher, or made at once on an in-process store (twin of
+  // _cleanup).
+  void cleanup(Task task);
   void delete_later(std::vector<std::string> keys);
   void exit_later(
       const Op& op,

@@ -73,6 +73,22 @@ def test_every_store_kind_is_cleaned(impl: str, kind: str) -> None:
     assert stores.admin.num_keys() - before <= 2
 
 
+@pytest.mark.parametrize("prefixed", [False, True], ids=["hash", "prefix_hash"])
+def test_a_hashstore_is_cleaned_by_the_caller(impl: str, prefixed: bool) -> None:
+    """On an in-process store the op's cleanup is made by the caller as the op returns (a
+    thread handoff would cost more than the calls): every key is gone once the ranks have
+    returned, with no close() or flush. Elsewhere the watcher deletes them a tick later."""
+    shared = dist.HashStore()
+    clients = [dist.PrefixStore("job", shared) if prefixed else shared for _ in range(WORLD)]
+    colls = [make(impl, clients[r], r, WORLD) for r in range(WORLD)]
+    run_ranks(WORLD, lambda r: _rounds(colls[r], r, 0, 5, True))
+    assert shared.num_keys() == 0
+    run_ranks(WORLD, lambda r: _rounds(colls[r], r, 5, 10, False))
+    assert shared.num_keys() == 0
+    for c in colls:
+        c.close()
+
+
 def test_prefix_store_over_a_python_store_is_cleaned(impl: str) -> None:
     """torch's PrefixStore cannot call a Python store's delete_key ("pure virtual"): the keys
     are deleted from the Python store itself, under the joined prefixes."""

@@ -732,6 +732,9 @@ class Lanes:
         self.sliced = tcp and not self.owned
         self.tcp = tcp  # a TCPStore under any PrefixStores (either path)
         self.polled = isinstance(base, dist.FileStore)
+        # An in-process store (a HashStore under any PrefixStores): its calls never wait on I/O,
+        # so an op's cleanup costs less made by the caller than handed to the watcher thread.
+        self.local = isinstance(base, dist.HashStore)
         # The TCPStore path: a TCPStore under any number of PrefixStores, where this torch's
         # TCPStore has a server-side barrier (and, under PrefixStores, list_keys: Python learns
         # their prefix with it). Both implementations apply this same rule to a given store.

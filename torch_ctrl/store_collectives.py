@@ -8,6 +8,7 @@ two side by side.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import time
@@ -46,6 +47,8 @@ from .errors import (
 )
 from .lanes import Borrowed, Lane, Lanes, connection_lost
 from .watcher import Watcher, leaving
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DIAGNOSTICS_CONNECT = 2.0  # seconds a new connection may take to name the missing ranks
@@ -672,6 +675,21 @@ class PyStoreCollectives(ControlCollectives):
         return {r for r in range(self._world) if r != self._rank and lane.store.check([K.rank_slot(op.prefix, r)])}
 
     # ------------------------------------------------------------------ cleanup
+    def _cleanup(self, task: Callable[[Lane], None]) -> None:
+        """An op's cleanup: handed to the watcher, or made at once on an in-process store."""
+        if not self._lanes.local:
+            self._watcher.submit(task)  # a round trip or a file lock each: off the critical path
+            return
+        # A HashStore's calls never wait: handing them to the watcher thread (a wake-up, a
+        # lock shared with it) would cost the caller more than the calls.
+        lane = self._lanes.acquire()
+        try:
+            task(lane)
+        except Exception as exc:  # noqa: BLE001 - best effort, as on the watcher
+            log.debug("torch_ctrl cleanup failed: %s", exc)
+        else:
+            self._lanes.release(lane)
+
     def _delete_later(self, keys: list[str]) -> None:
         if not self._lanes.deletes:  # a store whose keys stay (see lanes.store_api)
             return
@@ -680,7 +698,7 @@ class PyStoreCollectives(ControlCollectives):
             for key in keys:
                 lane.delete(key)
 
-        self._watcher.submit(task)
+        self._cleanup(task)
 
     def _exit_later(
         self,
@@ -710,7 +728,7 @@ class PyStoreCollectives(ControlCollectives):
                 for key in (K.rank_slots(prefix, world) if slots else []) + keys:
                     lane.delete(key)
 
-        self._watcher.submit(task)
+        self._cleanup(task)
 
     def _delete_when_full(self, op: _Op) -> None:
         """Non-blocking arrival at a native barrier: delete the counter once everyone arrived."""
