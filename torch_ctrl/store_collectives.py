@@ -681,7 +681,7 @@ class PyStoreCollectives(ControlCollectives):
             self._watcher.submit(task)  # a round trip or a file lock each: off the critical path
             return
         # A HashStore's calls never wait: handing them to the watcher thread (a wake-up, a
-        # lock shared with it) would cost the caller more than the calls.
+        # lock shared with it) would cost the caller more than the calls (docs/benchmarks.md).
         lane = self._lanes.acquire()
         try:
             task(lane)
