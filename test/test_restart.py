@@ -335,6 +335,27 @@ def test_a_new_connection_waits_for_its_turn_only_within_its_time(monkeypatch: p
 
 
 @pytest.mark.timeout(60)
+def test_close_frees_the_clients_in_the_construction_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.6-2.7 (no clone()): a client freed while another thread constructs one can
+    corrupt pybind11's registry (the process aborts later), so close() frees the Python
+    lanes' clients in the same one-at-a-time turn their construction takes."""
+    from torch_ctrl import capabilities, lanes
+
+    monkeypatch.setattr(capabilities, "CLONE", False)
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    pool = lanes.Lanes(dist.TCPStore(HOST, server.port, is_master=False))
+    pool.release(pool.open(5.0))
+    closer = threading.Thread(target=pool.close, daemon=True)
+    with _TurnHeld():
+        closer.start()
+        closer.join(0.5)
+        assert closer.is_alive()  # waits for the turn
+    closer.join(10)
+    assert not closer.is_alive()
+    assert pool.acquire(5.0) is not None  # nothing pooled any more: a new client
+
+
+@pytest.mark.timeout(60)
 def test_a_connect_to_a_server_gone_behind_its_address_gives_up_the_turn(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch 2.6-2.7 (no clone()): an address that accepts connections while the server behind
     it is gone (a server that dies between the check and the connect looks so) holds the turn

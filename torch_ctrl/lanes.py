@@ -812,4 +812,10 @@ class Lanes:
 
     def close(self) -> None:
         with self._lock:
-            self._free.clear()
+            lanes, self._free = self._free, []
+        if not capabilities.CLONE:
+            # This torch registers a new client's Python object without the GIL (see _CONNECT):
+            # freeing our clients while another thread constructs one can corrupt pybind11's
+            # registry, so they are freed in the same one-at-a-time turn.
+            with _CONNECT:
+                del lanes
