@@ -5,9 +5,11 @@ completes and cleans up."""
 
 from __future__ import annotations
 
+import gc
 import re
 import threading
 import time
+import weakref
 
 import pytest
 import torch.distributed as dist
@@ -353,6 +355,42 @@ def test_close_frees_the_clients_in_the_construction_turn(monkeypatch: pytest.Mo
     closer.join(10)
     assert not closer.is_alive()
     assert pool.acquire(5.0) is not None  # nothing pooled any more: a new client
+
+
+@pytest.mark.timeout(60)
+def test_dropped_lanes_are_freed_in_the_construction_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.6-2.7 (no clone()), as test_close_frees_the_clients_in_the_construction_turn for
+    the other ways a lane is dropped: one that saw an error, and a pool the garbage collector
+    frees without close(). Each is kept while another thread holds the turn, and freed in the
+    next turn this process takes (a new connection, a close())."""
+    from torch_ctrl import capabilities, lanes
+
+    monkeypatch.setattr(capabilities, "CLONE", False)
+    monkeypatch.setattr(lanes, "_RETIRED", [])
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    pool = lanes.Lanes(dist.TCPStore(HOST, server.port, is_master=False))
+    first, second = pool.open(5.0), pool.open(5.0)
+    pool.release(first)
+    pool.release(second)
+    other = lanes.Lanes(dist.TCPStore(HOST, server.port, is_master=False))
+    other.release(other.open(5.0))
+    dropped = []
+    with _TurnHeld():
+        for _ in range(2):  # the second drop finds the turn taken: the first is kept too
+            with pytest.raises(RuntimeError, match="op failed"), pool.lane() as lane:
+                raise RuntimeError("op failed")
+            dropped.append(weakref.ref(lane))
+            del lane
+        dropped.append(weakref.ref(other._free[0]))
+        del other
+        del first, second
+        gc.collect()
+        assert all(ref() is not None for ref in dropped)
+    gc.collect()
+    assert all(ref() is not None for ref in dropped)  # nothing took the turn yet
+    pool.release(pool.open(5.0))  # a new connection: its turn frees them
+    assert [ref() for ref in dropped] == [None, None, None]
+    pool.close()
 
 
 @pytest.mark.timeout(60)

@@ -204,6 +204,10 @@ if hasattr(os, "register_at_fork"):
 # construct clients there: one at a time (re-entrant: a caller may hold it around its own
 # construction of torch objects, as the test suite does).
 _CONNECT = threading.RLock()
+# Handles this process dropped on such a torch (a lane that saw an error, a connection replaced
+# after a server restart, a watcher's lane when it stops, a pool freed by the garbage
+# collector): held here and freed in that same turn (see retire). Appends and pops are atomic.
+_RETIRED: list[object] = []
 # How long one attempt to connect may hold that turn. A connection to a live server takes
 # milliseconds (a second in a stalled reverse lookup); a server that went away after the
 # check below makes torch's connect loop retry for its whole timeout (the store's 300 s
@@ -216,6 +220,28 @@ _TURN = 2.0
 # On a server that goes away during the attempt torch may make a second one after its
 # back-off (about 6.5 s in all), which the watchers' exit grace covers.
 BACKGROUND_TURN = _TURN
+
+
+def retire(handle: object) -> None:
+    """Drop ``handle`` (a lane, a store client): on a torch without ``clone()`` it is kept
+    until the next turn of :data:`_CONNECT` (the next connection this process opens, or a
+    ``close()``), and freed there, never while another thread constructs a client. Handles
+    retired earlier are freed now when the turn is free (their other references are gone by
+    then; this one's caller still holds it). Elsewhere it is dropped at once."""
+    if capabilities.CLONE:
+        return
+    if _RETIRED and _CONNECT.acquire(blocking=False):
+        try:
+            _free_retired()
+        finally:
+            _CONNECT.release()
+    _RETIRED.append(handle)
+
+
+def _free_retired() -> None:
+    """Free what :func:`retire` kept (called in the turn)."""
+    while _RETIRED:  # the only thread popping: it holds the turn
+        _RETIRED.pop()
 
 
 def new_client(
@@ -254,6 +280,7 @@ def new_client(
                 "other connections of this process are being opened (one at a time on this torch)"
             )
         try:
+            _free_retired()
             return _tcp_client(store, max(min(deadline - time.monotonic(), BACKGROUND_TURN), _TICK))
         except Exception:
             if time.monotonic() >= deadline or (stop is not None and stop()):
@@ -516,6 +543,8 @@ class Lane:
         dropped.set_timeout(timedelta(seconds=connect_timeout))
         with _FORK_GATE:
             client = new_client(dropped, connect_timeout)
+        retire(self.store)
+        retire(dropped)  # its Python object may be held by nothing else
         self.store = under_prefix(self.prefix, client)
         self._timeout = None
         self._base = None
@@ -714,6 +743,8 @@ class Borrowed:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         if exc_type is None:
             self._lanes.release(self._lane)
+        elif self._lane.owned:
+            retire(self._lane)
 
 
 class Lanes:
@@ -819,3 +850,12 @@ class Lanes:
             # registry, so they are freed in the same one-at-a-time turn.
             with _CONNECT:
                 del lanes
+                _free_retired()
+
+    def __del__(self) -> None:
+        # Freed without close(): the lanes are retired, not freed here (see close()).
+        try:
+            if self._free and self.owned and not capabilities.CLONE:
+                _RETIRED.extend(self._free)
+        except Exception:  # noqa: BLE001, S110 - half-made, or the interpreter is finalizing
+            pass

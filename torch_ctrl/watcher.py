@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import keys as K
-from .lanes import BACKGROUND_TURN, Lane, Lanes, connection_lost
+from .lanes import BACKGROUND_TURN, Lane, Lanes, connection_lost, retire
 
 log = logging.getLogger(__name__)
 
@@ -411,6 +411,8 @@ class Watcher:
                 self._cv.notify_all()
                 if not self._tasks and self._done():
                     break
+        if lane.owned:
+            retire(lane)
         with self._cv:
             self._running = False
             self._cv.notify_all()
@@ -540,4 +542,5 @@ class Watcher:
             log.debug("torch_ctrl watcher cannot reconnect yet: %s", exc)
             return lane
         self._broken = False
+        retire(lane)  # owned: only a lost connection is replaced
         return fresh
