@@ -52,6 +52,7 @@ struct Watcher::State {
   std::optional<std::string> seen;
   int seen_times = 0;
   int64_t turns = 0;
+  bool suspect = false;  // a counter this watcher reads is silent (see kSuspectAfter)
   std::mutex mutex;
   std::condition_variable cv;
   std::deque<Task> tasks;
@@ -313,6 +314,7 @@ std::optional<std::pair<int, double>> Watcher::find_dead(State& st, Lane& lane) 
   st.last_read = now;
   double limit = kDeadAfter * *st.heartbeat;
   std::optional<std::pair<int, double>> dead;
+  bool suspect = false;
   for (size_t i = 0; i < ranks->size() && i < values.size(); ++i) {
     int r = (*ranks)[i];
     auto& value = values[i];
@@ -326,10 +328,17 @@ std::optional<std::pair<int, double>> Watcher::find_dead(State& st, Lane& lane) 
     if (value != beat.value || beat.read_at != last) {
       beat.value = value;
       beat.since = now;
-    } else if (!dead && value && r != st.rank && silent > limit) {
-      dead = std::make_pair(r, silent);
+    } else if (value && r != st.rank) {
+      if (!dead && silent > limit) {
+        dead = std::make_pair(r, silent);
+      }
+      suspect = suspect || silent > kSuspectAfter * *st.heartbeat;
     }
     beat.read_at = now;
+  }
+  {
+    std::lock_guard<std::mutex> lock(st.mutex);
+    st.suspect = suspect && !dead;
   }
   if (renew_after && !dead) {  // a reader that found a dead rank aborts the group instead
     renew(st, lane);
@@ -393,10 +402,17 @@ void Watcher::set_reading(State& st, std::optional<std::string> value) {
   st.reading = std::move(value);
 }
 
+bool Watcher::reads(const State& st) {
+  if (leaving()) {
+    return false;
+  }
+  return !st.blocked.empty() || (st.suspect && !st.notice && !st.closed);
+}
+
 void Watcher::release(State& st, Lane& lane) {
   {
     std::lock_guard<std::mutex> lock(st.mutex);
-    if (!st.blocked.empty() && !leaving()) {  // blocked again meanwhile: go on reading
+    if (reads(st)) {  // blocked again meanwhile, or a suspect to declare
       return;
     }
     st.reading.reset();
@@ -457,10 +473,11 @@ void Watcher::run(std::shared_ptr<State> st) {
       }
     }
     bool waiting = serve && !st->blocked.empty();
-    bool do_poll = waiting && !st->notice && now >= st->next_poll;
+    bool polling = reads(*st);
+    bool do_poll = polling && !st->notice && now >= st->next_poll;
     if (do_poll) {
       st->next_poll = now + secs(st->heartbeat ? std::min(kPoll, *st->heartbeat) : kPoll);
-    } else if (waiting && !st->notice) {
+    } else if (polling && !st->notice) {
       consider(st->next_poll);
     }
     bool do_beat = st->heartbeat && !st->closed && now >= st->next_beat;
@@ -475,7 +492,7 @@ void Watcher::run(std::shared_ptr<State> st) {
     if (!st->later.empty()) {
       consider(st->later.begin()->first);
     }
-    bool do_release = st->reading && !waiting;
+    bool do_release = st->reading && !polling;
     std::deque<Task> tasks;
     if (!st->tasks.empty()) {
       tasks.push_back(std::move(st->tasks.front()));

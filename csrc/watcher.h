@@ -56,6 +56,12 @@ constexpr double kHbRead = 0.5;
 // reading over: the reader renews the key after each of its reads, so it loses it only by
 // missing two reads in a row (hung, or gone without handing over).
 constexpr int kStaleReads = 3;
+// A counter read unchanged for more than this many intervals makes its rank a suspect: the
+// watcher goes on reading (and stays the reader) after its last caller returns, until that
+// rank beats again or is declared dead. Handing the reading over then would restart the count
+// from the next reader's first read (up to kDeadAfter more intervals). A live rank's counter
+// moves at least once per interval, and reads are half an interval or more apart.
+constexpr double kSuspectAfter = 1.0;
 
 class Watcher {
  public:
@@ -120,6 +126,9 @@ class Watcher {
   static std::pair<std::optional<std::vector<int>>, bool> turn(State& st, Lane& lane);
   static void renew(State& st, Lane& lane);
   static void set_reading(State& st, std::optional<std::string> value);
+  // Whether the thread polls (called with the lock held): a caller is blocked, or a counter it
+  // reads is silent (kSuspectAfter) and nothing ended the group yet. Not once the process exits.
+  static bool reads(const State& st);
   // No caller blocked any more: hand the reading over (delete the reader key).
   static void release(State& st, Lane& lane);
 

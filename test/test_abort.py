@@ -373,10 +373,11 @@ def test_one_blocked_rank_reads_every_heartbeat(impl: str, chain: bool) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_blocked_rank_takes_the_reading_over_when_the_readers_op_ends(impl: str) -> None:
-    """Rank 0 blocks alone first and becomes the reader; its op then ends (a timeout) while
-    ranks 1 and 2 stay blocked. One of them takes the reading over and finds rank 3's
-    counter, written once and never again (a dead rank), silent: both are aborted naming
-    rank 3 within 5 intervals of rank 0's op ending, and no reader key is left behind."""
+    """Rank 0 blocks alone first and becomes the reader; its op then ends (a timeout, two
+    reads in: rank 3's counter unchanged for less than an interval, so it hands the reading
+    over) while ranks 1 and 2 stay blocked. One of them takes the reading over and finds rank 3's counter, written
+    once and never again (a dead rank), silent: both are aborted naming rank 3 within 5
+    intervals of rank 0's op ending, and no reader key is left behind."""
     from datetime import timedelta
 
     from torch_ctrl import CollectiveTimeoutError
@@ -421,6 +422,59 @@ def test_a_blocked_rank_takes_the_reading_over_when_the_readers_op_ends(impl: st
         dead, reason, when = out[rank]  # type: ignore[misc]
         assert dead == 3 and "no heartbeat" in reason, out[rank]
         assert when - ended[0] < 5.0, when - ended[0]
+    assert not store.check([K.reader_key(world)])
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_whose_op_ends_goes_on_reading_a_silent_rank(impl: str) -> None:
+    """Rank 0 blocks alone first and becomes the reader; it reads rank 3's counter (written
+    once and never again: a dead rank) unchanged for more than an interval, and its op then
+    ends (a timeout) before 2.5 intervals, while ranks 1 and 2 stay blocked. Rank 0 goes on
+    reading instead of handing the reading over (a new reader would count from its own first
+    read, 5 intervals or more after the beat here): ranks 1 and 2 are aborted naming rank 3
+    within 5 intervals of its last beat, and no reader key is left behind."""
+    from datetime import timedelta
+
+    from torch_ctrl import CollectiveTimeoutError
+
+    world = 4
+    store = dist.HashStore()
+    store.add(K.group_key(world, "hb/3"), 1)  # rank 3 beat once, then died
+    beat = time.monotonic()
+    colls = [make(impl, store, r, world, heartbeat_interval=1.0) for r in range(3)]
+    out: list[object] = [None] * 3
+
+    def blocked(rank: int) -> None:
+        try:
+            colls[rank].barrier("held", timedelta(seconds=20))
+        except CollectiveAbortedError as exc:
+            out[rank] = (exc.rank, exc.reason, time.monotonic())
+
+    others = [threading.Thread(target=blocked, args=(r,)) for r in (1, 2)]
+    try:
+
+        def start_once_rank_0_reads() -> None:
+            store.wait([K.reader_key(world)], timedelta(seconds=10))
+            for t in others:
+                t.start()
+
+        starter = threading.Thread(target=start_once_rank_0_reads)
+        starter.start()
+        with pytest.raises(CollectiveTimeoutError):
+            # Reads from 0.7 s, one per 0.7 s poll: silent for 1.4 s on the third (a suspect), not
+            # yet 2.5 s when the op ends; declared on rank 0's fifth read, at about 3.5 s.
+            colls[0].barrier("alone", timedelta(seconds=2.6))  # nobody else joins it
+        starter.join()
+        for t in others:
+            t.join(30)
+    finally:
+        for c in colls:
+            c.close()
+    for rank in (1, 2):
+        assert out[rank] is not None, out
+        dead, reason, when = out[rank]  # type: ignore[misc]
+        assert dead == 3 and "no heartbeat" in reason, out[rank]
+        assert when - beat < 5.0, when - beat
     assert not store.check([K.reader_key(world)])
 
 

@@ -73,6 +73,12 @@ HB_READ = 0.5
 # reading over: the reader renews the key after each of its reads, so it loses it only by
 # missing two reads in a row (hung, or gone without handing over).
 STALE_READS = 3
+# A counter read unchanged for more than this many intervals makes its rank a suspect: the
+# watcher goes on reading (and stays the reader) after its last caller returns, until that
+# rank beats again or is declared dead. Handing the reading over then would restart the count
+# from the next reader's first read (up to DEAD_AFTER more intervals). A live rank's counter
+# moves at least once per interval, and reads are half an interval or more apart.
+SUSPECT_AFTER = 1.0
 
 _LIVE: weakref.WeakSet[Watcher] = weakref.WeakSet()
 # Set once the interpreter exits: watchers then only drain their cleanup and stop, even with
@@ -180,6 +186,7 @@ class Watcher:
         self._seen: bytes | None = None
         self._seen_times = 0
         self._turns = itertools.count(1)
+        self._suspect = False  # a counter this watcher reads is silent (see SUSPECT_AFTER)
         self._cv = threading.Condition()
         self._tasks: deque[Task] = deque()
         # Retry tasks waiting for their next run: (when, tie-breaker, task), earliest first.
@@ -333,6 +340,7 @@ class Watcher:
                     self._tasks.append(heapq.heappop(self._later)[2])
                 # Blocked callers are served (named, woken, polled for) until the process exits.
                 blocked = [] if _LEAVING else list(self._blocked.values())
+                polling = self._reads()
                 names = [b.names_key for b in blocked if not b.named and b.due <= now]
                 for b in blocked:
                     if b.due <= now:
@@ -340,20 +348,20 @@ class Watcher:
                 wake = [b for b in blocked if self.notice is not None and not b.woken]
                 for b in wake:
                     b.woken = True
-                poll = bool(blocked) and self.notice is None and now >= self._next_poll
+                poll = polling and self.notice is None and now >= self._next_poll
                 if poll:
                     self._next_poll = now + (min(POLL, self._heartbeat) if self._heartbeat else POLL)
                 beat = self._heartbeat is not None and not self._closed and now >= self._next_beat
                 if beat:
                     self._next_beat = now + self._heartbeat  # type: ignore[operator]
-                release = self._reading is not None and not blocked
+                release = self._reading is not None and not polling
                 if self._tasks or names or wake or poll or beat or release or self._done():
                     tasks = [self._tasks.popleft()] if self._tasks else []
                     self._busy = bool(tasks)
                     self._cv.notify_all()
                     return tasks, names, wake, poll, beat, release
                 due = [b.due for b in blocked if not b.named]
-                if blocked and self.notice is None:
+                if polling and self.notice is None:
                     due.append(self._next_poll)
                 if self._heartbeat is not None and not self._closed:
                     due.append(self._next_beat)
@@ -365,6 +373,14 @@ class Watcher:
                 self._sleeping = True
                 self._cv.wait(max(0.0, self._wake_at - now) if self._wake_at is not None else None)
                 self._sleeping = False
+
+    def _reads(self) -> bool:
+        """Whether the watcher polls (called with the lock held): a caller is blocked, or a
+        counter it reads is silent (see SUSPECT_AFTER) and nothing ended the group yet. Not
+        once the process exits."""
+        if _LEAVING:
+            return False
+        return bool(self._blocked) or (self._suspect and self.notice is None and not self._closed)
 
     def _done(self) -> bool:
         """Closed, and no caller or retry left to serve (called with the lock held)."""
@@ -450,6 +466,7 @@ class Watcher:
         last, self._last_read = self._last_read, now
         limit = DEAD_AFTER * self._heartbeat
         dead = None
+        suspect = False
         for rank, value in zip(ranks, values):
             if value == b"0":  # dropped where keys cannot be deleted (Lane.drop_counter)
                 value = None
@@ -458,9 +475,14 @@ class Watcher:
             # counts from now: silence is only ever measured between reads in a row.
             if value != beat.value or beat.read_at != last:
                 beat.value, beat.since = value, now
-            elif dead is None and value is not None and rank != self._rank and now - beat.since > limit:
-                dead = rank, now - beat.since
+            elif value is not None and rank != self._rank:
+                silent = now - beat.since
+                if dead is None and silent > limit:
+                    dead = rank, silent
+                suspect = suspect or silent > SUSPECT_AFTER * self._heartbeat
             beat.read_at = now
+        with self._cv:
+            self._suspect = suspect and dead is None
         if renew and dead is None:  # a reader that found a dead rank aborts the group instead
             self._renew(lane)
         return dead
@@ -515,7 +537,7 @@ class Watcher:
         """No caller blocked any more: hand the reading over (delete the reader key), so that
         a rank still blocked takes it on its next read rather than after STALE_READS."""
         with self._cv:
-            if self._blocked and not _LEAVING:  # blocked again meanwhile: go on reading
+            if self._reads():  # blocked again meanwhile, or a suspect to declare
                 return
             self._reading = None
         self._seen, self._seen_times = None, 0
