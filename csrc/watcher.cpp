@@ -336,10 +336,7 @@ std::optional<std::pair<int, double>> Watcher::find_dead(State& st, Lane& lane) 
     }
     beat.read_at = now;
   }
-  {
-    std::lock_guard<std::mutex> lock(st.mutex);
-    st.suspect = suspect && !dead;
-  }
+  st.suspect = suspect && !dead;  // this thread's only: no lock
   if (renew_after && !dead) {  // a reader that found a dead rank aborts the group instead
     renew(st, lane);
   }

@@ -371,77 +371,22 @@ def test_one_blocked_rank_reads_every_heartbeat(impl: str, chain: bool) -> None:
     assert not shared.check([K.reader_key(world) if not chain else "job/" + K.reader_key(world)])
 
 
-@pytest.mark.timeout(60)
-def test_a_blocked_rank_takes_the_reading_over_when_the_readers_op_ends(impl: str) -> None:
-    """Rank 0 blocks alone first and becomes the reader; its op then ends (a timeout, two
-    reads in: rank 3's counter unchanged for less than an interval, so it hands the reading
-    over) while ranks 1 and 2 stay blocked. One of them takes the reading over and finds rank 3's counter, written
-    once and never again (a dead rank), silent: both are aborted naming rank 3 within 5
-    intervals of rank 0's op ending, and no reader key is left behind."""
+def _reader_op_ends(impl: str, kind: str, alone: float) -> tuple[float, float, list]:
+    """Rank 0 of 4 blocks alone first and becomes the reader (it reads from 0.7 s, one read
+    per 0.7 s poll); ranks 1 and 2 then block in another barrier; rank 0's op ends after
+    ``alone`` seconds (a timeout). Rank 3's counter is written once and never again (a dead
+    rank). Returns when rank 3 beat, when rank 0's op ended, and per rank 1 and 2 the abort
+    it got (dead rank, reason, when); no reader key is left behind."""
     from datetime import timedelta
 
     from torch_ctrl import CollectiveTimeoutError
 
     world = 4
-    store = dist.HashStore()
-    store.add(K.group_key(world, "hb/3"), 1)  # rank 3 beat once, then died
-    colls = [make(impl, store, r, world, heartbeat_interval=1.0) for r in range(3)]
-    ended: list[float] = []
-    out: list[object] = [None] * 3
-
-    def blocked(rank: int) -> None:
-        try:
-            colls[rank].barrier("held", timedelta(seconds=20))
-        except CollectiveAbortedError as exc:
-            out[rank] = (exc.rank, exc.reason, time.monotonic())
-
-    try:
-        with pytest.raises(CollectiveTimeoutError):
-            first = threading.Thread(target=blocked, args=(1,))
-            second = threading.Thread(target=blocked, args=(2,))
-
-            def start_once_rank_0_reads() -> None:
-                store.wait([K.reader_key(world)], timedelta(seconds=10))
-                first.start()
-                second.start()
-
-            starter = threading.Thread(target=start_once_rank_0_reads)
-            starter.start()
-            try:
-                colls[0].barrier("alone", timedelta(seconds=2.0))  # nobody else joins it
-            finally:
-                ended.append(time.monotonic())
-                starter.join()
-        first.join(30)
-        second.join(30)
-    finally:
-        for c in colls:
-            c.close()
-    for rank in (1, 2):
-        assert out[rank] is not None, out
-        dead, reason, when = out[rank]  # type: ignore[misc]
-        assert dead == 3 and "no heartbeat" in reason, out[rank]
-        assert when - ended[0] < 5.0, when - ended[0]
-    assert not store.check([K.reader_key(world)])
-
-
-@pytest.mark.timeout(60)
-def test_a_reader_whose_op_ends_goes_on_reading_a_silent_rank(impl: str) -> None:
-    """Rank 0 blocks alone first and becomes the reader; it reads rank 3's counter (written
-    once and never again: a dead rank) unchanged for more than an interval, and its op then
-    ends (a timeout) before 2.5 intervals, while ranks 1 and 2 stay blocked. Rank 0 goes on
-    reading instead of handing the reading over (a new reader would count from its own first
-    read, 5 intervals or more after the beat here): ranks 1 and 2 are aborted naming rank 3
-    within 5 intervals of its last beat, and no reader key is left behind."""
-    from datetime import timedelta
-
-    from torch_ctrl import CollectiveTimeoutError
-
-    world = 4
-    store = dist.HashStore()
-    store.add(K.group_key(world, "hb/3"), 1)  # rank 3 beat once, then died
+    stores = Stores(kind)
+    stores.admin.add(K.group_key(world, "hb/3"), 1)  # rank 3 beat once, then died
     beat = time.monotonic()
-    colls = [make(impl, store, r, world, heartbeat_interval=1.0) for r in range(3)]
+    colls = [make(impl, stores.client(r), r, world, heartbeat_interval=1.0) for r in range(3)]
+    ended: list[float] = []
     out: list[object] = [None] * 3
 
     def blocked(rank: int) -> None:
@@ -454,28 +399,57 @@ def test_a_reader_whose_op_ends_goes_on_reading_a_silent_rank(impl: str) -> None
     try:
 
         def start_once_rank_0_reads() -> None:
-            store.wait([K.reader_key(world)], timedelta(seconds=10))
+            stores.admin.wait([K.reader_key(world)], timedelta(seconds=10))
             for t in others:
                 t.start()
 
         starter = threading.Thread(target=start_once_rank_0_reads)
         starter.start()
-        with pytest.raises(CollectiveTimeoutError):
-            # Reads from 0.7 s, one per 0.7 s poll: silent for 1.4 s on the third (a suspect), not
-            # yet 2.5 s when the op ends; declared on rank 0's fifth read, at about 3.5 s.
-            colls[0].barrier("alone", timedelta(seconds=2.6))  # nobody else joins it
-        starter.join()
+        try:
+            with pytest.raises(CollectiveTimeoutError):
+                colls[0].barrier("alone", timedelta(seconds=alone))  # nobody else joins it
+        finally:
+            ended.append(time.monotonic())
+            starter.join()
         for t in others:
             t.join(30)
     finally:
         for c in colls:
             c.close()
-    for rank in (1, 2):
-        assert out[rank] is not None, out
-        dead, reason, when = out[rank]  # type: ignore[misc]
-        assert dead == 3 and "no heartbeat" in reason, out[rank]
+    assert not stores.admin.check([K.reader_key(world)])
+    return beat, ended[0], out[1:]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["hash", "prefix"])
+def test_a_blocked_rank_takes_the_reading_over_when_the_readers_op_ends(impl: str, kind: str) -> None:
+    """Rank 0, the reader, ends its op two reads in (rank 3's counter unchanged for less than
+    an interval: no suspect), so it hands the reading over. One of ranks 1 and 2 takes it and
+    finds rank 3's counter silent: both are aborted naming rank 3 within 5 intervals of rank
+    0's op ending, and no reader key is left behind."""
+    _, ended, out = _reader_op_ends(impl, kind, alone=2.0)
+    for got in out:
+        assert got is not None, out
+        dead, reason, when = got  # type: ignore[misc]
+        assert dead == 3 and "no heartbeat" in reason, got
+        assert when - ended < 5.0, when - ended
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["hash", "prefix"])
+def test_a_reader_whose_op_ends_goes_on_reading_a_silent_rank(impl: str, kind: str) -> None:
+    """Rank 0, the reader, reads rank 3's counter unchanged for more than an interval (silent
+    1.4 s on its third read: a suspect), and its op ends before 2.5 intervals. It goes on
+    reading instead of handing the reading over (a new reader would count from its own first
+    read, 5 intervals or more after the beat here) and declares rank 3 dead on its fifth read,
+    at about 3.5 s: ranks 1 and 2 are aborted naming rank 3 within 5 intervals of its last
+    beat, and no reader key is left behind."""
+    beat, _, out = _reader_op_ends(impl, kind, alone=2.6)
+    for got in out:
+        assert got is not None, out
+        dead, reason, when = got  # type: ignore[misc]
+        assert dead == 3 and "no heartbeat" in reason, got
         assert when - beat < 5.0, when - beat
-    assert not store.check([K.reader_key(world)])
 
 
 @pytest.mark.parametrize("how", ["close", "gc"])

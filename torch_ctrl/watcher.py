@@ -481,8 +481,7 @@ class Watcher:
                     dead = rank, silent
                 suspect = suspect or silent > SUSPECT_AFTER * self._heartbeat
             beat.read_at = now
-        with self._cv:
-            self._suspect = suspect and dead is None
+        self._suspect = suspect and dead is None  # this thread's only: no lock
         if renew and dead is None:  # a reader that found a dead rank aborts the group instead
             self._renew(lane)
         return dead
