@@ -18,7 +18,18 @@ pytest.importorskip("sphinx")
 pytest.importorskip("myst_parser")
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ("index", "quickstart", "inspect", "troubleshooting", "torchrun", "migration", "api", "protocol", "benchmarks")
+PAGES = (
+    "index",
+    "quickstart",
+    "inspect",
+    "troubleshooting",
+    "torchrun",
+    "migration",
+    "api",
+    "protocol",
+    "benchmarks",
+    "benchmarks-history",
+)
 
 
 @pytest.fixture(scope="module")
