@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 
 import torch_ctrl
-from torch_ctrl import PyStoreCollectives, capabilities, lanes
+from torch_ctrl import PyStoreCollectives, lanes
 
 # The C++ implementation where the extension is usable with this torch (the loader's checks);
 # on a pure-Python install the suite runs the Python implementation alone.
@@ -25,10 +25,10 @@ HOST = "127.0.0.1"
 # the new object included: any torch object made or freed by another thread meanwhile (a store,
 # an instance of ours) can corrupt pybind11's registry, and the process aborts later ("Tried to
 # deallocate unregistered instance"). Test threads therefore make their clients, and make and
-# free their instances, under the lock torch_ctrl's own lanes take to construct clients there
-# (torches without clone()); elsewhere they run concurrently, as users' threads do.
+# free their instances, in the process's turn (lanes.turn(): the lock torch_ctrl's own lanes
+# take to construct clients on torches without clone()); elsewhere they run concurrently, as
+# users' threads do. _CONNECT is that lock, for tests that take it around more.
 _CONNECT = lanes._CONNECT
-_SERIAL = not capabilities.CLONE
 
 
 class DictStore(dist.Store):
@@ -230,13 +230,13 @@ def run_group(
     the constructor keywords ``options``)."""
 
     def body(rank: int) -> Any:
-        with _CONNECT if _SERIAL else contextlib.nullcontext():
+        with lanes.turn():
             coll = make(impl, stores.client(rank), rank, world_size, **options)
         try:
             return fn(coll, rank)
         finally:
             coll.close()
-            with _CONNECT if _SERIAL else contextlib.nullcontext():
+            with lanes.turn():
                 del coll  # freed here, not when the thread ends (see _CONNECT)
 
     return run_ranks(world_size, body, timeout)

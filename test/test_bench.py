@@ -7,12 +7,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from torch_ctrl import bench
+from torch_ctrl import bench, capabilities, lanes
 
 FULL_API = ("torch", "cpp", "python")  # the contenders that run every op, where this installation has them
 
@@ -129,3 +130,43 @@ def test_blocks_order_runs_each_contender_back_to_back(tmp_path: Path) -> None:
     got = {(r["op"], r["contender"]): r for r in data["latency"]}
     for op, c in ((op, c) for op in ("barrier", "broadcast") for c in present):
         assert len(got[op, c]["samples_ms"]) == 2 and not got[op, c]["errors"], got[op, c]
+
+
+class _Probe:
+    """A stand-in instance (the floor contender's one call, ``add``) that records whether the
+    process's turn (``lanes.turn()``) was held when it was made and when it was freed."""
+
+    def __init__(self, seen: list[tuple[str, bool]]) -> None:
+        self.seen = seen
+        seen.append(("made", lanes._CONNECT._is_owned()))
+
+    def add(self, key: str, amount: int) -> int:
+        return amount
+
+    def __del__(self) -> None:
+        self.seen.append(("freed", lanes._CONNECT._is_owned()))
+
+
+@pytest.mark.timeout(60)
+def test_rank_threads_make_and_free_their_instances_in_the_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a torch without clone() (2.6, 2.7), a thread that makes or frees torch objects while another
+    constructs a TCPStore client can abort the process; the benchmark's rank threads therefore make
+    and free their stores and instances in the process's turn (seen aborting 1 run in 8 of
+    ``bench --smoke`` on torch 2.6 before)."""
+    monkeypatch.setattr(capabilities, "CLONE", False)  # turn() is the lock, as on torch 2.6
+    seen: list[tuple[str, bool]] = []
+    world = 3
+    w = bench.World(world, 0, ["floor"], [("barrier", r, "floor") for r in (-1, 0, 1)], b"x", 30.0, "t", "hash")
+    sync = threading.Barrier(world)
+    results: dict[int, Any] = {}
+
+    def rank(r: int) -> None:
+        results[r] = bench.rank_main(w, r, sync, make=lambda c, store, rk, n: _Probe(seen))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == list(range(world)) and all(len(v) == 3 and not v[0][2] for v in results.values())
+    assert sorted(seen) == [("freed", True)] * world + [("made", True)] * world, seen

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.utils import store as elastic_store
 
-from . import capabilities, loader
+from . import capabilities, lanes, loader
 from .counting import CountingStore
 from .store_collectives import PyStoreCollectives
 
@@ -209,23 +209,36 @@ def rank_main(w: World, rank: int, sync: Any, make: Make = make_instance) -> lis
     under torchrun); ``make`` builds each contender's instance over its store.
     """
     secs = w.secs
-    insts = {c: make(c, open_store(w, c), rank, w.size) for c in w.contenders}
-    out: list[Timing] = []
-    sync.wait(secs)
-    for op, rnd, c in w.tasks:
-        key, err = f"{w.tag}/{w.store}/{c}/w{w.size}/{op}/{rnd}", ""
+    # The ranks are threads: on torch 2.6-2.7 they make and free their stores and instances in
+    # turns (lanes.turn), or the process may abort ("Tried to deallocate unregistered instance").
+    with lanes.turn():
+        insts = {c: make(c, open_store(w, c), rank, w.size) for c in w.contenders}
+    try:
+        out: list[Timing] = []
         sync.wait(secs)
-        start = time.perf_counter()
-        try:
-            call_op(c, insts[c], op, key, rank, w.size, w.payload, secs)
-        except Exception as exc:  # noqa: BLE001 - recorded and reported; the run goes on
-            err = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-        out.append((start, time.perf_counter(), err))
-    sync.wait(secs)
-    for inst in insts.values():
+        for op, rnd, c in w.tasks:
+            key, err = f"{w.tag}/{w.store}/{c}/w{w.size}/{op}/{rnd}", ""
+            sync.wait(secs)
+            start = time.perf_counter()
+            try:
+                call_op(c, insts[c], op, key, rank, w.size, w.payload, secs)
+            except Exception as exc:  # noqa: BLE001 - recorded and reported; the run goes on
+                err = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+            out.append((start, time.perf_counter(), err))
+        sync.wait(secs)
+        _close_all(insts.values())
+        return out
+    finally:  # the instances' last references: the stores and instances are freed here
+        with lanes.turn():
+            insts.clear()
+
+
+def _close_all(insts: Iterable[Any]) -> None:
+    """``close()`` each instance that has one (a function of its own: no reference is left behind
+    in :func:`rank_main`'s frame, whose ``insts`` hold the last ones)."""
+    for inst in insts:
         if hasattr(inst, "close"):
             inst.close()
-    return out
 
 
 def _process_rank(w: World, rank: int, sync: Any, queue: Any) -> None:
@@ -362,8 +375,9 @@ def count_one(
     world: int, op: str, c: str, inner: Callable[[], dist.Store], payload: bytes, secs: float, kind: str
 ) -> dict[str, Any]:
     """One op of one contender for :func:`count_ops`."""
-    stores = [CountingStore(inner()) for _ in range(world)]
-    insts = [make_instance(c, s, r, world) for r, s in enumerate(stores)]
+    with lanes.turn():  # see rank_main
+        stores = [CountingStore(inner()) for _ in range(world)]
+        insts = [make_instance(c, s, r, world) for r, s in enumerate(stores)]
     sync, per_rank = threading.Barrier(world), [dict[str, Any]() for _ in range(world)]
 
     def body(rank: int) -> None:
@@ -380,6 +394,9 @@ def count_one(
         per_rank[rank]["total"] = stores[rank].counts()
 
     _run_threads(body, world)
+    with lanes.turn():
+        insts.clear()
+        stores.clear()
     crit = [sum(p.get("critical", {}).values()) for p in per_rank]
     rec = {"store": kind, "inner_store": kind, "world_size": world, "op": op, "contender": c, "critical_root": crit[0]}
     rec["critical_other_mean"] = statistics.mean(crit[1:]) if world > 1 else None

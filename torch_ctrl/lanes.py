@@ -23,6 +23,7 @@ The C++ twin rebuilds such chains with new clients.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
@@ -220,6 +221,29 @@ _TURN = 2.0
 # On a server that goes away during the attempt torch may make a second one after its
 # back-off (about 6.5 s in all), which the watchers' exit grace covers.
 BACKGROUND_TURN = _TURN
+
+
+def turn() -> contextlib.AbstractContextManager[object]:
+    """The process's turn to make and free torch store objects, for code that makes them on
+    several threads.
+
+    torch 2.6's ``TCPStore(...)`` registers the new Python object without holding the GIL: a
+    thread that makes or frees a torch object meanwhile can corrupt pybind11's registry, and the
+    process aborts later ("Tried to deallocate unregistered instance"). On a torch without
+    ``Store.clone()`` (2.6, 2.7) this returns the re-entrant lock under which torch_ctrl's own
+    connections are made and freed; holding it, a thread of yours makes or frees its stores and
+    instances in turn with them. On newer torches it is a no-op context. Hold it around making
+    and freeing only, never around a collective::
+
+        with torch_ctrl.lanes.turn():
+            store = dist.TCPStore(host, port, is_master=False)
+            coll = dist.StoreCollectives(store, rank, world_size)
+        ...
+        coll.close()
+        with torch_ctrl.lanes.turn():
+            del coll, store
+    """
+    return _CONNECT if not capabilities.CLONE else contextlib.nullcontext()
 
 
 def retire(handle: object) -> None:
