@@ -15,7 +15,8 @@ calls per node to join, per-node heartbeats, working scale-up and scale-down, an
 :class:`CtrlRendezvousHandler` wraps any other torch handler (e.g. c10d's) with the round
 number and a round-scoped bootstrap broadcast; :func:`clear_worker_store` empties a workers'
 store shared across rounds. The backend is registered through the ``torchrun.handlers`` entry
-point (:func:`handler_factory`); nothing else in this module runs at registration.
+point (:mod:`torch_ctrl.elastic.plugin`, which imports this module only when torchrun creates a
+handler, so this module may be a program's first import).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def clear_worker_store(addr: str, port: int, timeout: float = 60.0) -> int:
 
 
 def handler_factory() -> Any:
-    """Entry point of the ``torchrun.handlers`` group: returns the handler creator."""
+    """The handler creator (:func:`create_handler`), as the ``torchrun.handlers`` entry point
+    (:func:`torch_ctrl.elastic.plugin.handler_factory`) returns it."""
     return create_handler
 
 
