@@ -363,3 +363,81 @@ def test_the_registry_creates_the_native_handler() -> None:
     finally:
         if not was:
             elastic.uninstall()
+
+
+class _TurnProbe:
+    """``torch.distributed`` as the rendezvous module sees it, recording for each TCPStore and
+    PrefixStore it makes whether the making thread held the process's turn."""
+
+    def __init__(self, seen: list[tuple[str, bool]]) -> None:
+        self._seen = seen
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def _made(self, kind: str, cls: Any, *args: Any, **kwargs: Any) -> Any:
+        from torch_ctrl import lanes
+
+        self._seen.append((kind, lanes._CONNECT._is_owned()))
+        return cls(*args, **kwargs)
+
+    def TCPStore(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - torch's name
+        return self._made("TCPStore", dist.TCPStore, *args, **kwargs)
+
+    def PrefixStore(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - torch's name
+        return self._made("PrefixStore", dist.PrefixStore, *args, **kwargs)
+
+
+def test_handlers_make_their_stores_in_the_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a torch without clone() (2.6, 2.7) a TCPStore constructed while another thread makes or
+    frees a torch object can abort the process: handlers joining on several threads (the
+    rendezvous benchmark, or an agent next to torch_ctrl's own lanes) make their clients, the
+    round's PrefixStore and node 0's workers' store in the process's turn."""
+    from torch_ctrl import capabilities
+    from torch_ctrl.elastic import ctrl_rendezvous
+
+    monkeypatch.setattr(capabilities, "CLONE", False)  # turn() is the lock, as on torch 2.6
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)  # node 0 hosts a store
+    seen: list[tuple[str, bool]] = []
+    monkeypatch.setattr(ctrl_rendezvous, "dist", _TurnProbe(seen))
+    job = Job(3, 3)
+    handlers = [job.node() for _ in range(3)]
+    infos = join_all(handlers)
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+    # three clients, the process's heartbeat connection, node 0's workers' store; three rounds' stores
+    assert sorted(seen) == [("PrefixStore", True)] * 3 + [("TCPStore", True)] * 5, seen
+    for h in handlers:
+        h.shutdown()
+
+
+_FIRST_IMPORT = """
+import sys
+import {module}
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+params = RendezvousParameters("ctrl", f"127.0.0.1:{{server.port}}", "first", 1, 1, is_host=False, join_timeout=20)
+handler = registry.get_rendezvous_handler(params)
+info = handler.next_rendezvous()
+print(type(handler).__name__, info.rank, info.world_size, handler.shutdown(), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["torch_ctrl.elastic.rendezvous", "torch_ctrl.elastic.ctrl_rendezvous", "torch_ctrl.elastic", "torch_ctrl"],
+)
+def test_the_backend_registers_whatever_a_program_imports_first(module: str) -> None:
+    """torch loads its rendezvous plugins while its rendezvous package is first imported, which
+    may happen from inside torch_ctrl's rendezvous module: the entry point must still register
+    ``ctrl`` (no warning, a working handler) in a fresh process."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FIRST_IMPORT.format(module=module)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "RES_OPTIONS": "timeout:1 attempts:1"},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["NativeRendezvousHandler", "0", "1", "True"]
+    assert "registering out of tree plugin" not in out.stderr, out.stderr[-2000:]

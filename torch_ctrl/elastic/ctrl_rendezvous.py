@@ -50,6 +50,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..lanes import turn
+
 log = logging.getLogger("torch_ctrl.elastic")
 
 __all__ = ["NativeRendezvousHandler", "RendezvousConfig", "config_from", "connect", "create_native_handler"]
@@ -192,7 +194,8 @@ def connect(params: Any, config: RendezvousConfig) -> tuple[dist.Store, str, int
         if use_libuv is not None and not use_libuv:
             kwargs["use_libuv"] = False
         try:
-            store = dist.TCPStore(host, port, **kwargs)
+            with turn():  # torch 2.6-2.7: one thread at a time makes or frees torch stores
+                store = dist.TCPStore(host, port, **kwargs)
         except (RuntimeError, ValueError, TimeoutError) as exc:
             last = exc
             if server and not explicit:
@@ -227,7 +230,8 @@ def beat_store(host: str, port: int, timeout: float) -> dist.Store:
     with _beat_lock:
         store = _beat_stores.get((host, port))
         if store is None:
-            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+            with turn():
+                store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
             _beat_stores[(host, port)] = store
         return store
 
@@ -438,7 +442,8 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             log.warning("torch_ctrl: the ctrl rendezvous '%s' could not be closed: %s", self.config.run_id, exc)
             return False
         finally:
-            self._server = None
+            with turn():
+                self._server = None
 
     def _stop_heartbeats(self) -> None:
         """Stop this node's heartbeats (c10d has the same private method): its peers will find
@@ -488,7 +493,8 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
                 spare = exc.full
                 prev_size = self._sealed_size(rnd - 1)
         addr, port, server = self._bootstrap(rnd, rank)
-        self._server = server  # the previous round's workers' store (if any) goes away
+        with turn():
+            self._server = server  # the previous round's workers' store (if any) goes away
         self.round, self._rank, self._world_size = rnd, rank, world
         log.info(
             "torch_ctrl: node %s joined round %d of the ctrl rendezvous '%s' as rank %d of %d",
@@ -498,7 +504,8 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             rank,
             world,
         )
-        store = dist.PrefixStore(f"torch.rendezvous.{cfg.run_id}.{rnd}", self._store)
+        with turn():
+            store = dist.PrefixStore(f"torch.rendezvous.{cfg.run_id}.{rnd}", self._store)
         return RendezvousInfo(store, rank, world, RendezvousStoreInfo(addr, port))
 
     def _wait_for_seat(
@@ -715,7 +722,8 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         if rank == 0:
             addr = self._host
             if self.use_agent_store:
-                server = dist.TCPStore(addr, 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+                with turn():
+                    server = dist.TCPStore(addr, 0, is_master=True, multi_tenant=True, wait_for_workers=False)
                 port = int(server.port)
             else:
                 port = _free_port()
