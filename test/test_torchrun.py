@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import torchrun_two_nodes
@@ -107,3 +110,19 @@ def test_torch_ctrl_run_defaults_to_the_ctrl_backend() -> None:
     # TORCH_CTRL_ROUND is exported by the ctrl backend only.
     lines = [m for node in nodes for m in re.findall(r"WORKER OK rank=\d round=(\d+)", node.output)]
     assert lines == ["0"] * 4
+
+
+def test_the_launcher_api_runs_the_ctrl_backend() -> None:
+    """``elastic_launch(LaunchConfig(rdzv_backend="ctrl"), fn)`` in a fresh process (torch loads
+    the backend through its entry point): the workers' collectives work and they see the round."""
+    script = Path(__file__).parent / "torchrun" / "launch_api.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "ctrl"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "RES_OPTIONS": "timeout:1 attempts:1"},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "RESULTS [(0, (['0', '1'], '0')), (1, (['0', '1'], '0'))]" in out.stdout, out.stdout + out.stderr
+    assert "registering out of tree plugin" not in out.stderr, out.stderr
