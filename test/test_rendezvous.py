@@ -404,14 +404,14 @@ def test_handlers_make_their_stores_in_the_turn(monkeypatch: pytest.MonkeyPatch)
     handlers = [job.node() for _ in range(3)]
     infos = join_all(handlers)
     assert sorted(i.rank for i in infos) == [0, 1, 2]
-    # three clients, the process's heartbeat connection, node 0's workers' store; three rounds' stores
+    # TCPStores: three clients, the process's heartbeat connection, node 0's workers' store;
+    # PrefixStores: each node's store of the round
     assert sorted(seen) == [("PrefixStore", True)] * 3 + [("TCPStore", True)] * 5, seen
     for h in handlers:
         h.shutdown()
 
 
 _FIRST_IMPORT = """
-import sys
 import {module}
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters, registry

@@ -1,7 +1,7 @@
 """Runs a job through torch's launcher API (``elastic_launch``), as a library would:
-``launch_api.py BACKEND``. Each of the 2 workers runs every collective through
-``torch_ctrl.from_env()`` and returns what its all_gather got; the launcher prints the results
-and the round the workers saw."""
+``launch_api.py BACKEND``. Each of the 2 workers runs a barrier, an all_gather and an all_sum
+through ``torch_ctrl.from_env()`` and returns what its all_gather got and the round it saw; the
+launcher prints the results."""
 
 import os
 import sys
