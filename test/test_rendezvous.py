@@ -347,6 +347,27 @@ def test_unreachable_endpoint_fails_within_join_timeout() -> None:
     assert "cannot reach the rendezvous store" in msg and "join_timeout=1s" in msg and "\n" not in msg
 
 
+def test_a_lost_rendezvous_store_names_the_host_that_served_it() -> None:
+    """The agent that hosts the rendezvous store dies: the other nodes' calls fail at once with
+    one line naming the store's address and its host (the one to look at), not torch's bare
+    socket error."""
+    job = Job(2, 2)
+    a, b = job.node(), job.node()
+    infos = join_all([a, b])
+    assert sorted(i.rank for i in infos) == [0, 1]
+    del job.server  # the hosting agent is gone
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError) as err:
+        a.num_nodes_waiting()
+    assert time.monotonic() - start < 5
+    msg = str(err.value)
+    assert msg.startswith(f"ctrl rendezvous '{job.run_id}': the rendezvous store at {HOST}:{job.port} is gone: "), msg
+    assert f"the torchrun agent that hosts it, on {HOST}, exited or cannot be reached (" in msg, msg
+    assert "\n" not in msg, msg
+    for h in (a, b):
+        h.shutdown()
+
+
 def test_the_registry_creates_the_native_handler() -> None:
     from torch.distributed.elastic.rendezvous import registry
 

@@ -360,6 +360,8 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         self._world_size = 0
         self._server: dist.Store | None = None  # the workers' store of the current round (node 0)
         self._lead_check = 0.0
+        # Named in the errors of a lost store: the host to look at is the one that serves it.
+        self._address = _address_of(store)
 
     # ---------------------------------------------------------------- identity and keys
     @property
@@ -733,7 +735,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             raw = bytes(self._store.get(key))  # node 0 writes it right after the seal: one call
         except Exception as exc:  # noqa: BLE001 - node 0 died between the seal and its write
             if not _is_timeout(exc):
-                raise _connection_error(exc) from None
+                raise self._store_error(exc) from None
             raise _errors().RendezvousTimeoutError(
                 f"ctrl rendezvous '{self.config.run_id}' round {rnd}: node 0 did not publish the bootstrap "
                 f"store address within read_timeout={self.config.read_timeout:g}s"
@@ -775,7 +777,10 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         except Exception as exc:  # noqa: BLE001 - a timeout is expected; anything else is a lost store
             if _is_timeout(exc):
                 return None
-            raise _connection_error(exc) from None
+            raise self._store_error(exc) from None
+
+    def _store_error(self, exc: Exception) -> Exception:
+        return _connection_error(exc, self.config.run_id, self._address)
 
     def _call(self, fn: Any, *args: Any) -> Any:
         try:
@@ -783,7 +788,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         except Exception as exc:  # noqa: BLE001 - one line, as a RendezvousConnectionError
             if isinstance(exc, _errors().RendezvousError):
                 raise
-            raise _connection_error(exc) from None
+            raise self._store_error(exc) from None
 
 
 CLOSED_OPEN = "closed"
@@ -794,11 +799,31 @@ def _is_timeout(exc: Exception) -> bool:
     return isinstance(exc, TimeoutError) or "timeout" in text or "timed out" in text
 
 
-def _connection_error(exc: Exception) -> Exception:
+# What torch's TCPStore client says when its server is gone (closed, reset, refused, unreachable).
+_LOST = ("reset by peer", "broken pipe", "got 0 bytes", "refused", "likely closed", "unreachable")
+
+
+def _address_of(store: dist.Store) -> tuple[str, int] | None:
+    """A TCPStore's host and port, None for other stores."""
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    return (host, port) if isinstance(host, str) and isinstance(port, int) else None
+
+
+def _connection_error(exc: Exception, run_id: str, address: tuple[str, int] | None) -> Exception:
+    """One line: the run, the store's address, torch's cause, and, when the store is gone, where
+    to look (the agent that hosts it, on the endpoint's host by c10d's ``is_host`` rules)."""
     lines = str(exc).strip().splitlines()
-    return _errors().RendezvousConnectionError(
-        f"ctrl rendezvous: the rendezvous store failed: {lines[0] if lines else type(exc).__name__}"
-    )
+    cause = lines[0] if lines else type(exc).__name__
+    what = "the rendezvous store failed:"
+    if address is not None:
+        host, port = address
+        what = f"the rendezvous store at {f'[{host}]' if ':' in host else host}:{port}"
+        if any(s in cause.lower() for s in _LOST):
+            what += f" is gone: the torchrun agent that hosts it, on {host}, exited or cannot be reached"
+            cause = f"({cause})"
+        else:
+            what += " failed:"
+    return _errors().RendezvousConnectionError(f"ctrl rendezvous '{run_id}': {what} {cause}")
 
 
 def _free_port() -> int:
@@ -820,5 +845,4 @@ def create_native_handler(params: Any) -> NativeRendezvousHandler:
     store, host, port = connect(params, config)
     beats = beat_store(host, port, config.read_timeout)
     handler = NativeRendezvousHandler(config, store, beats)
-    handler._endpoint = (host, port)  # type: ignore[attr-defined]
     return handler
