@@ -284,6 +284,14 @@ c10::intrusive_ptr<c10d::Store> new_client(
 }
 } // namespace
 
+std::string lost_text(const std::string& server, const std::string& text) {
+  // Twin of lanes.lost_text.
+  if (server.empty() || text.find(server) != std::string::npos) {
+    return text;
+  }
+  return "the connection to the store's server " + server + " was lost: " + text;
+}
+
 bool connection_lost(const std::exception& exc) {
   // Twin of lanes.connection_lost.
   if (dynamic_cast<const c10::DistNetworkError*>(&exc) != nullptr) {
@@ -683,6 +691,9 @@ Lanes::Lanes(c10::intrusive_ptr<c10d::Store> store, bool cas, bool deletes)
   // TCPStore has a server-side barrier (and, under PrefixStores, list_keys: the Python twin
   // learns their prefix with it). Both implementations apply this same rule to a given store.
   tcp_ = tcp;
+  if (auto* server = dynamic_cast<c10d::TCPStore*>(base.get())) {
+    server_ = server->getHost() + ":" + std::to_string(server->getPort());
+  }
   bool chain = base.get() != store_.get();
   native_barrier_ = compat::server_barrier() && tcp && (!chain || compat::kListKeys);
   if (native_barrier_ && chain) {

@@ -40,6 +40,10 @@ extern std::function<bool(const std::exception&)> python_interrupt;
 // dropped this connection).
 bool connection_lost(const std::exception& exc);
 
+// A lost connection's error text, naming the store's server ("host:port"; "" when the store
+// has none) unless the text already does: that host is the one to look at.
+std::string lost_text(const std::string& server, const std::string& text);
+
 struct Lane {
   c10::intrusive_ptr<c10d::Store> store;
   bool owned = false;
@@ -129,6 +133,8 @@ class Lanes {
   bool native_barrier() const { return native_barrier_; }
   bool deletes() const { return deletes_; }
   bool tcp() const { return tcp_; }  // a TCPStore under any PrefixStores (either path)
+  // Its server ("host:port"), named when a connection to it is lost; "" for other stores.
+  const std::string& server() const { return server_; }
   // An in-process store (a HashStore under any PrefixStores): its calls never wait on I/O, so
   // an op's cleanup costs less made by the caller than handed to the watcher thread.
   bool local() const { return local_; }
@@ -143,6 +149,7 @@ class Lanes {
   bool deletes_;
   std::string prefix_;
   bool tcp_ = false;  // a TCPStore under the PrefixStores: new lanes are new clients
+  std::string server_;
   bool local_ = false;  // a HashStore under the PrefixStores
   std::mutex mutex_;
   std::vector<std::unique_ptr<Lane>> free_;

@@ -158,6 +158,7 @@ def test_ops_fail_within_their_timeout_once_the_server_is_gone(impl: str, kind: 
     stores = Stores(kind)
     colls = [make(impl, stores.client(r), r, WORLD) for r in range(WORLD)]
     run_ranks(WORLD, lambda r: colls[r].all_sum("warm", 1, timeout=30))
+    port = stores.port
     del stores.server, stores.admin  # the server goes away
     for i in range(3):
         started = time.monotonic()
@@ -166,6 +167,8 @@ def test_ops_fail_within_their_timeout_once_the_server_is_gone(impl: str, kind: 
         took = time.monotonic() - started
         text = str(info.value)
         assert "store unreachable" in text and "\n" not in text, text
+        # The host to look at: a connection found dead and one refused alike name the server.
+        assert f"the store's server {HOST}:{port} " in text, text
         # The timeout, plus torch's connect back-off (a retry it starts just before the
         # deadline, after a random delay of up to ~1.5 s) and slack for a loaded machine: seen
         # at 5.2 s once under the full suite, 6.4 s on torch 2.7 with two suites on 2 cores.
@@ -208,6 +211,7 @@ def test_a_server_gone_fails_ops_and_abort_at_once_in_one_line(
         assert text.startswith(f"barrier 'gone{i}': store unreachable: "), text
         assert "\n" not in text, text
         assert took < 1.5, (i, took)  # was the connect budget: half the op's 20 s
+        assert f"the store's server {HOST}:{port} " in text, text  # the host to look at
         # The first op may find its pooled connection dead instead; so does every op where the
         # Python twin shares the chain's one client (torch without clone()).
         if i > 0 and not (impl == "python" and kind == "prefix" and not capabilities.CLONE):
@@ -218,6 +222,7 @@ def test_a_server_gone_fails_ops_and_abort_at_once_in_one_line(
     assert time.monotonic() - started < 1.5
     text = str(info.value)
     assert text.startswith("abort: store unreachable: ") and "\n" not in text, text
+    assert f"the store's server {HOST}:{port} " in text, text
     for c in colls:
         c.close(flush_timeout=0.5)
     # torch's connect loop logs "failed to connect/validate" and "timed out ... while trying to

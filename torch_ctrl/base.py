@@ -16,7 +16,7 @@ from typing import NoReturn, Union
 import torch.distributed as dist
 
 from .errors import CollectiveError, init_error, one_line
-from .lanes import BASIC, base_store, check_server, connection_lost, python_methods
+from .lanes import BASIC, base_store, check_server, connection_lost, lost_text, python_methods, server_of
 
 Data = Union[bytes, bytearray, memoryview, str]
 Timeout = Union[timedelta, int, float]
@@ -399,20 +399,22 @@ def check_reachable(store: dist.Store, rank: int, world_size: int) -> None:
         raise init_error(rank, world_size, f"store unreachable: {exc}") from None
 
 
-def unreachable(exc: BaseException, rank: int, world_size: int) -> BaseException:
+def unreachable(exc: BaseException, store: dist.Store, rank: int, world_size: int) -> BaseException:
     """A new instance's first store call failed: a lost connection (the server went away
-    after :func:`check_reachable`) becomes the same one line; anything else stays as it is."""
+    after :func:`check_reachable`) becomes the same one line, naming the server; anything else
+    stays as it is."""
     if isinstance(exc, Exception) and connection_lost(exc):
-        return init_error(rank, world_size, f"store unreachable: {one_line(str(exc))}")
+        text = lost_text(server_of(store), one_line(str(exc)))
+        return init_error(rank, world_size, f"store unreachable: {text}")
     return exc
 
 
-def abort_unreachable(exc: BaseException) -> BaseException:
+def abort_unreachable(exc: BaseException, store: dist.Store) -> BaseException:
     """``abort()`` could not reach the store: a lost connection or a server that is gone
-    becomes one line, ``abort: store unreachable: ...`` (a CollectiveError, so a DistStoreError);
-    anything else stays as it is. Both twins raise this."""
+    becomes one line naming the server, ``abort: store unreachable: ...`` (a CollectiveError,
+    so a DistStoreError); anything else stays as it is. Both twins raise this."""
     if isinstance(exc, Exception) and connection_lost(exc):
-        return CollectiveError(f"abort: store unreachable: {one_line(str(exc))}")
+        return CollectiveError(f"abort: store unreachable: {lost_text(server_of(store), one_line(str(exc)))}")
     return exc
 
 

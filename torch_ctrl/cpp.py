@@ -86,7 +86,7 @@ class CppStoreCollectives(ControlCollectives):
         try:
             self._native = _C.StoreCollectives(store, rank, world_size, heartbeat, cas, deletes)
         except Exception as exc:  # the C++ object closes its watcher as it unwinds
-            raise unreachable(exc, rank, world_size) from None
+            raise unreachable(exc, store, rank, world_size) from None
         _LIVE.add(self)
         self._shortcut()
 
@@ -172,7 +172,7 @@ class CppStoreCollectives(ControlCollectives):
         try:
             self._impl.abort(reason)
         except Exception as exc:
-            raise abort_unreachable(exc) from None
+            raise abort_unreachable(exc, self._store) from None
 
     def close(self, flush_timeout: float = 5.0) -> None:
         """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections."""

@@ -64,6 +64,22 @@ def connection_lost(exc: BaseException) -> bool:
     return any(t in text for t in ("connection", "broken pipe", "failed to recv", "socket"))
 
 
+def server_of(store: dist.Store) -> str:
+    """``host:port`` of the TCPStore under any PrefixStores, "" for other stores (twin of the
+    address ``Lanes::Lanes`` keeps in csrc/lanes.cpp)."""
+    base = base_store(store)
+    return f"{base.host}:{base.port}" if isinstance(base, dist.TCPStore) else ""
+
+
+def lost_text(server: str, text: str) -> str:
+    """A lost connection's error text, naming the store's server (``host:port``; "" when the
+    store has none) unless the text already does: that host is the one to look at. Twin of
+    ``lost_text`` in csrc/lanes.cpp."""
+    if not server or server in text:
+        return text
+    return f"the connection to the store's server {server} was lost: {text}"
+
+
 def base_store(store: dist.Store) -> dist.Store:
     """The store under any number of PrefixStores."""
     while isinstance(store, dist.PrefixStore):
@@ -786,6 +802,8 @@ class Lanes:
             self.owned = isinstance(store, dist.TCPStore)
         self.sliced = tcp and not self.owned
         self.tcp = tcp  # a TCPStore under any PrefixStores (either path)
+        # Its server, named when a connection to it is lost (twin of Lanes::server).
+        self.server = server_of(store)
         self.polled = isinstance(base, dist.FileStore)
         # An in-process store (a HashStore under any PrefixStores): its calls never wait on I/O,
         # so an op's cleanup costs less made by the caller than handed to the watcher thread.

@@ -45,7 +45,7 @@ from .errors import (
     one_line,
     timeout_error,
 )
-from .lanes import Borrowed, Lane, Lanes, connection_lost
+from .lanes import Borrowed, Lane, Lanes, connection_lost, lost_text
 from .watcher import Watcher, leaving
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class PyStoreCollectives(ControlCollectives):
         try:
             self._lanes = Lanes(store)
         except Exception as exc:
-            raise unreachable(exc, self._rank, self._world) from None
+            raise unreachable(exc, store, self._rank, self._world) from None
         self._lock = threading.Lock()
         self._seq = 0
         self._used: set[str] = set()
@@ -144,7 +144,7 @@ class PyStoreCollectives(ControlCollectives):
                     lane.add(K.group_key(self._world, f"hb/{self._rank}"), 1)
         except Exception as exc:
             self._watcher.close(0.0)  # its heartbeats must not outlive a failed constructor
-            raise unreachable(exc, self._rank, self._world) from None
+            raise unreachable(exc, store, self._rank, self._world) from None
         if notice is not None:
             self._watcher.aborted(notice)
 
@@ -277,7 +277,7 @@ class PyStoreCollectives(ControlCollectives):
             with self._lanes.lane() as lane:
                 notice = lane.claim(self._watcher.abort_key, mine)
         except Exception as exc:
-            raise abort_unreachable(exc) from None
+            raise abort_unreachable(exc, self._store) from None
         self._watcher.aborted(notice)
 
     def close(self, flush_timeout: float = 5.0) -> None:
@@ -598,7 +598,7 @@ class PyStoreCollectives(ControlCollectives):
             # As the C++ twin reads it (through torch's binding: "ValueError: bad value").
             text = f"{type(exc).__name__}: {text}"
         if connection_lost(exc):
-            return collective_error(op.name, op.label, f"store unreachable: {text}")
+            return collective_error(op.name, op.label, f"store unreachable: {lost_text(self._lanes.server, text)}")
         if time.monotonic() < op.deadline - 0.01 and "timeout" not in text.lower():
             return collective_error(op.name, op.label, f"store error: {text}")
         if op.name.endswith("_send"):  # a send waits for nobody: nothing to count or name
