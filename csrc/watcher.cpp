@@ -198,7 +198,12 @@ void Watcher::close(double flush_timeout) {
   }
   auto end = Clock::now() + secs(flush_timeout);
   std::unique_lock<std::mutex> lock(state_->mutex);
-  state_->cv.wait_until(lock, end, [&] { return !state_->running; });
+  // Callers still blocked on other threads keep the thread serving them (naming, abort
+  // notices, liveness) until they return: close() waits only for the cleanup queued so far.
+  state_->cv.wait_until(lock, end, [&] {
+    const State& st = *state_;
+    return !st.running || (!st.blocked.empty() && st.tasks.empty() && !st.busy && st.later.empty());
+  });
   if (state_->thread.joinable()) {
     if (!state_->running) {
       thread = std::move(state_->thread);

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
 from helpers import Stores, make, run_ranks
 
 from torch_ctrl import CollectiveTimeoutError
+from torch_ctrl import keys as K
 
 
 @pytest.mark.timeout(60)
@@ -80,3 +82,50 @@ def test_store_timeout_never_changes(impl: str, kind: str) -> None:
 
     run_ranks(world, fn)
     assert [c.timeout for c in clients] == before
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", ["barrier", "all_gather"])
+@pytest.mark.parametrize("kind", ["tcp", "prefix", "file", "hash"])
+def test_close_while_another_thread_is_blocked(impl: str, kind: str, op: str) -> None:
+    """close() on one thread while another thread of the same instance is blocked in a
+    collective: close() returns without waiting out its flush_timeout (it waited all of it), the
+    blocked call completes normally once the peer arrives, and its cleanup still runs."""
+    stores, world = Stores(kind), 2
+    colls = [make(impl, stores.client(r), r, world) for r in range(world)]
+    results: dict[int, object] = {}
+
+    def call(rank: int) -> None:
+        if op == "barrier":
+            results[rank] = colls[rank].barrier("k", timedelta(seconds=30))
+        else:
+            results[rank] = colls[rank].all_gather("k", b"%d" % rank, timedelta(seconds=30))
+
+    # The op's keys (a FileStore counts keys of its own: look for these, not at num_keys).
+    prefix = K.op_prefix(world, "k", -1)
+    fields = [K.ARRIVE, K.BARRIER, K.DONE, K.LOG, K.NAMES, K.EXIT, K.SUM, "r0", "r1"]
+
+    def left() -> list[str]:
+        return [f for f in fields if stores.admin.check([K.field(prefix, f)])]
+
+    blocked = threading.Thread(target=call, args=(0,))
+    blocked.start()
+    deadline = time.monotonic() + 20
+    while not left():  # rank 0 has arrived: it writes before it blocks
+        assert time.monotonic() < deadline, "rank 0 never arrived"
+        time.sleep(0.01)
+    started = time.monotonic()
+    colls[0].close(flush_timeout=10.0)
+    took = time.monotonic() - started
+    assert blocked.is_alive()  # close() did not end the call
+    call(1)
+    blocked.join(30)
+    assert not blocked.is_alive()
+    expected = None if op == "barrier" else [b"0", b"1"]
+    assert results == {0: expected, 1: expected}
+    assert took < 2.0, took  # it waited the whole flush_timeout (10 s) before
+    colls[1].close()
+    deadline = time.monotonic() + 20
+    while left():  # the blocked call's cleanup ran after close()
+        assert time.monotonic() < deadline, left()
+        time.sleep(0.02)

@@ -287,6 +287,11 @@ class ControlCollectives(abc.ABC):
     def close(self, flush_timeout: float = 5.0) -> None:  # noqa: B027 - optional for other backends
         """Release resources (background threads, connections); a no-op by default.
 
+        Calls still running on other threads are not interrupted, and ``close()`` does not wait
+        for them: they complete, fail or time out as they would have (call :meth:`abort` first
+        to release them, and the whole group, at once). An instance used after ``close()``
+        opens what it needs again.
+
         Args:
             flush_timeout: seconds to let background key cleanup finish first.
 

@@ -175,7 +175,8 @@ class CppStoreCollectives(ControlCollectives):
             raise abort_unreachable(exc, self._store) from None
 
     def close(self, flush_timeout: float = 5.0) -> None:
-        """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections."""
+        """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections;
+        calls still running on other threads go on (see :meth:`torch_ctrl.ControlCollectives.close`)."""
         if os.getpid() != self._owner:
             self._orphan()  # a forked child: the connections and thread are the parent's
             return

@@ -281,7 +281,8 @@ class PyStoreCollectives(ControlCollectives):
         self._watcher.aborted(notice)
 
     def close(self, flush_timeout: float = 5.0) -> None:
-        """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections.
+        """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections;
+        calls still running on other threads go on (see :meth:`torch_ctrl.ControlCollectives.close`).
 
         Example::
 

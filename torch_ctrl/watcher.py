@@ -303,7 +303,8 @@ class Watcher:
         return True
 
     def close(self, flush_timeout: float = 5.0) -> None:
-        """Stop taking tasks and heartbeats; the thread drains its queue, then exits."""
+        """Stop heartbeats; wait up to ``flush_timeout`` for the queue to drain. The thread
+        exits once nothing is queued and no caller is blocked (it serves those until they return)."""
         with self._cv:
             if not self._closed and self._heartbeat is not None:
                 # A closed rank is not dead: its heartbeat goes first (peers skip missing ones),
@@ -311,6 +312,14 @@ class Watcher:
                 self._tasks.appendleft(lambda lane: lane.drop_counter(self._hb_key))
             self._closed = True
             self._cv.notify_all()
+            # Callers still blocked on other threads keep the thread serving them (naming, abort
+            # notices, liveness) until they return: close() waits only for the cleanup queued so far.
+            self._cv.wait_for(
+                lambda: not self._running or (self._blocked and not (self._tasks or self._busy or self._later)),
+                flush_timeout,
+            )
+            if self._running:
+                return
         self.join(flush_timeout)
 
     def join(self, timeout: float) -> None:
