@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 import torch.distributed as dist
 from helpers import HOST, IMPLS, Stores, free_port, make_cls, run_ranks
 
 import torch_ctrl
-from torch_ctrl import workers
+from torch_ctrl import CollectiveTimeoutError, workers
 
 
 def _env(stores: Stores, rank: int, world: int, **extra: str) -> dict[str, str]:
@@ -56,6 +58,46 @@ def test_from_env_outside_torchrun(hosted: bool) -> None:
             return coll.all_gather("k", b"%d" % r, 30)
 
     assert run_ranks(n, body) == [[b"0", b"1", b"2"]] * n
+
+
+def test_from_env_without_a_server_fails_in_one_line_at_its_timeout(capfd: pytest.CaptureFixture[str]) -> None:
+    """A client rank whose store never comes up: one CollectiveTimeoutError line at its timeout
+    naming the address and who hosts it (torch's connect loop: DistNetworkError after twice the
+    timeout, each attempt logged with a C++ stack trace)."""
+    port = free_port()
+    env = {"MASTER_ADDR": HOST, "MASTER_PORT": str(port), "RANK": "1", "WORLD_SIZE": "2"}
+    started = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError) as info:
+        torch_ctrl.from_env(env=env, timeout=1)
+    took = time.monotonic() - started
+    text = str(info.value)
+    assert isinstance(info.value, dist.DistStoreError)
+    assert text.startswith(f"from_env (rank 1 of 2): no store server at {HOST}:{port} (MASTER_ADDR:MASTER_PORT)"), text
+    assert "rank 0's from_env() hosts it" in text and "\n" not in text, text
+    assert info.value.op == "from_env" and info.value.world_size == 2
+    assert 1.0 <= took < 2.5, took
+    assert "TCPStore.cpp" not in capfd.readouterr().err
+
+
+def test_from_env_waits_for_a_server_that_starts_later() -> None:
+    """Under torchrun every worker is a client of the agent's store; a store that comes up
+    while a worker waits is joined, within the worker's timeout."""
+    port = free_port()
+    servers: list[dist.TCPStore] = []
+
+    def host() -> None:
+        servers.append(dist.TCPStore(HOST, port, is_master=True, wait_for_workers=False))
+
+    later = threading.Timer(0.3, host)
+    later.start()
+    env = {"MASTER_ADDR": HOST, "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    try:
+        with torch_ctrl.from_env(env=env, timeout=20) as coll:
+            assert coll.all_sum("k", 5, 10) == 5
+    finally:
+        later.join()
+    assert len(servers) == 1
 
 
 def test_namespace_is_the_round_not_the_restart_count(caplog: pytest.LogCaptureFixture) -> None:

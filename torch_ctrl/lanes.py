@@ -385,6 +385,21 @@ def reach(host: str, port: int, seconds: float) -> None:
     _reach(host, port, time.monotonic() + seconds, ends=(*_REFUSED, socket.gaierror))
 
 
+def await_server(host: str, port: int, seconds: float) -> OSError | None:
+    """Wait up to ``seconds`` for ``host:port`` to accept a plain TCP connection (closed at
+    once): None once it does, else the last attempt's error. For a server that may start
+    later (a job's rank 0): refusals and names that do not resolve yet are retried."""
+    deadline = time.monotonic() + seconds
+    pause = 0.01
+    while True:
+        exc = _attempt(host, port, min(deadline - time.monotonic(), 1.0))
+        left = deadline - time.monotonic()
+        if exc is None or left <= 0:
+            return exc
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.5)
+
+
 def _reach(
     host: str,
     port: int,

@@ -24,7 +24,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .base import ControlCollectives, Timeout, to_seconds
+from .errors import CollectiveTimeoutError, one_line
 from .keys import escape
+from .lanes import await_server
 from .loader import StoreCollectives
 from .naming import with_rank_names
 
@@ -95,6 +97,8 @@ def from_env(
 
     Raises:
         ValueError: a variable is missing or malformed (the message names it).
+        CollectiveTimeoutError: no server accepted a connection at ``MASTER_ADDR:MASTER_PORT``
+            within ``timeout`` (one line: the address, the last error, who hosts that store).
 
     Example::
 
@@ -108,7 +112,18 @@ def from_env(
         if not addr:
             raise ValueError("from_env: MASTER_ADDR is not set (run under torchrun, or pass store=)")
         agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        store = _connect(addr, _int_env(env, "MASTER_PORT"), rank == 0 and not agent_store, to_seconds(timeout))
+        port = _int_env(env, "MASTER_PORT")
+        seconds = to_seconds(timeout)
+        try:
+            store = _connect(addr, port, rank == 0 and not agent_store, seconds)
+        except _NoServer as exc:
+            hoster = "the torchrun agent of the job's first node" if agent_store else "rank 0's from_env()"
+            raise CollectiveTimeoutError(
+                f"from_env (rank {rank} of {world_size}): no store server at {addr}:{port} "
+                f"(MASTER_ADDR:MASTER_PORT) within {seconds:g}s ({exc}); {hoster} hosts it",
+                op="from_env",
+                world_size=world_size,
+            ) from None
     hosts = decode_hosts(env.get(ENV_HOSTS, ""))
     return with_rank_names(StoreCollectives)(
         dist.PrefixStore(worker_namespace(env), store),
@@ -133,7 +148,17 @@ def _connect(addr: str, port: int, host: bool, seconds: float) -> dist.TCPStore:
         except (RuntimeError, dist.DistNetworkError) as exc:
             if "address already in use" not in str(exc).lower():
                 raise
+    # Wait for the server with plain sockets (it may start later): one that never comes is
+    # one line at the timeout, where torch's connect loop retries for twice the timeout and
+    # logs every failed attempt with a C++ stack trace.
+    exc = await_server(addr, port, seconds)
+    if exc is not None:
+        raise _NoServer(one_line(str(exc)) or type(exc).__name__)
     return dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+
+
+class _NoServer(Exception):
+    """No server accepted a connection at the address within the timeout (the last error)."""
 
 
 def _int_env(env: Mapping[str, str], name: str) -> int:
