@@ -17,6 +17,7 @@ from helpers import HOST, free_port
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousParameters,
     RendezvousTimeoutError,
 )
@@ -366,6 +367,31 @@ def test_a_lost_rendezvous_store_names_the_host_that_served_it() -> None:
     assert "\n" not in msg, msg
     for h in (a, b):
         h.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("open", "xyz", "holds a value torch_ctrl did not write"),
+        ("open", "0,abc", "holds a value torch_ctrl did not write"),
+        ("open", "5", "holds a value torch_ctrl did not write"),
+        # TCPStore's server drops a connection whose add meets a value that is not a number
+        ("0/arrived", "foo", "dropped this node's connection, though its server is up"),
+    ],
+)
+def test_foreign_values_under_the_run_are_one_line_errors(key: str, value: str, says: str) -> None:
+    """Another program (or another version) wrote under this run id: the handler fails at once
+    with one RendezvousError line saying so, not a bare ValueError or 'the store is gone'."""
+    job = Job(1, 1)
+    job.server.set(f"torch_ctrl/rdzv/{job.run_id}/{key}", value)
+    node = job.node()
+    start = time.monotonic()
+    with pytest.raises(RendezvousError) as err:
+        node.next_rendezvous()
+    assert time.monotonic() - start < 5
+    msg = str(err.value)
+    assert msg.startswith(f"ctrl rendezvous '{job.run_id}': ") and says in msg and "\n" not in msg, msg
+    node.shutdown()
 
 
 def test_the_registry_creates_the_native_handler() -> None:

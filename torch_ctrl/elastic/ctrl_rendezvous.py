@@ -45,12 +45,13 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import cache
-from typing import Any
+from functools import cache, wraps
+from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from ..lanes import turn
+from ..errors import one_line
+from ..lanes import await_server, turn
 
 log = logging.getLogger("torch_ctrl.elastic")
 
@@ -331,6 +332,28 @@ def _base() -> type:
     return RendezvousHandler
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _state_checked(method: _F) -> _F:
+    """A value of this run that does not parse (written under the same run id by another
+    program, or another torch_ctrl version) becomes one ``RendezvousStateError`` line instead of
+    a bare ``ValueError`` from deep inside the handler."""
+
+    @wraps(method)
+    def checked(self: NativeRendezvousHandler, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except (ValueError, IndexError) as exc:
+            raise _errors().RendezvousStateError(
+                f"ctrl rendezvous '{self.config.run_id}': the rendezvous store holds a value torch_ctrl did "
+                f"not write under '{self._root}/' ({type(exc).__name__}: {one_line(str(exc))}); is another "
+                f"program, or another torch_ctrl version, using run id '{self.config.run_id}'?"
+            ) from None
+
+    return checked  # type: ignore[return-value]
+
+
 class NativeRendezvousHandler(_base()):  # type: ignore[misc]
     """torch's ``RendezvousHandler`` contract on O(1)-per-node store calls (see the module doc).
 
@@ -401,6 +424,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         """One ``check``."""
         return bool(self._call(self._store.check, [f"{self._root}/closed"]))
 
+    @_state_checked
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for the next round that it can admit: one ``add(…, 0)`` on the next
         round's arrival counter. Spares are not counted while this round is full, unless one of
@@ -411,6 +435,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         count, members = v & COUNT_MASK, (v >> 24) & COUNT_MASK
         return count if members or self._world_size < self.config.max_nodes else 0
 
+    @_state_checked
     def set_closed(self) -> None:
         """Close the run for every node: ``closed`` and ``open`` are marked, and the rounds being
         formed are sealed as closed (their waiters wake at once). O(waiting nodes), once."""
@@ -453,6 +478,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         _beater.forget(self)
 
     # ---------------------------------------------------------------- joining
+    @_state_checked
     def next_rendezvous(self) -> Any:
         """Join the open round; block until it is sealed with this node in it (or raise).
 
@@ -818,9 +844,13 @@ def _connection_error(exc: Exception, run_id: str, address: tuple[str, int] | No
     if address is not None:
         host, port = address
         what = f"the rendezvous store at {f'[{host}]' if ':' in host else host}:{port}"
-        if any(s in cause.lower() for s in _LOST):
+        if any(s in cause.lower() for s in _LOST) and await_server(host, port, 0.5) is not None:
             what += f" is gone: the torchrun agent that hosts it, on {host}, exited or cannot be reached"
             cause = f"({cause})"
+        elif any(s in cause.lower() for s in _LOST):
+            # Its server still accepts connections: it dropped this one, as TCPStore's server
+            # does on a request it cannot serve (an add to a value that is not a number).
+            what += " dropped this node's connection, though its server is up (a value not written by torch_ctrl?):"
         else:
             what += " failed:"
     return _errors().RendezvousConnectionError(f"ctrl rendezvous '{run_id}': {what} {cause}")
