@@ -524,3 +524,43 @@ def test_a_connection_the_server_dropped_is_opened_again() -> None:
         thread.join()
     assert insp.sample()["num_keys"] == 1
     assert insp.sample()["num_keys"] == 1
+
+
+def test_foreign_values_are_shown_not_fatal() -> None:
+    """Keys in torch_ctrl's layout that torch_ctrl could not have written (a log that does not
+    parse, a group of 10^11 ranks, one of 2^31 - 1 ranks with one arrival): the report still
+    comes, at once, naming the op that holds the bad value next to a real stuck barrier.
+    Before, one bad log entry failed the whole command, and a huge world size hung it listing
+    missing ranks."""
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    server.set(f"{K.PROTOCOL}/w2/kfoo/g", b"garbage")
+    server.set(f"{K.PROTOCOL}/w99999999999/kx/n", b"1")
+    server.set(f"{K.PROTOCOL}/w2147483647/kbig/n", b"1")
+    client = dist.TCPStore(HOST, server.port, is_master=False)
+    coll = StoreCollectives(client, 0, 2)
+    stuck = threading.Thread(target=lambda: pytest.raises(CollectiveAbortedError, coll.barrier, "stuck", timeout=20))
+    stuck.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.check([f"{K.PROTOCOL}/w2/kstuck/{K.BARRIER}"]) and not server.check(
+            [f"{K.PROTOCOL}/w2/kstuck/{K.ARRIVE}"]
+        ):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        started = time.monotonic()
+        report = torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0, timeout=30)
+        assert time.monotonic() - started < 5
+        groups = {g["world_size"]: g for g in report["groups"]}
+        assert set(groups) == {2, 2147483647}  # 10^11 ranks: no torch_ctrl group
+        ops = {op["key"]: op for op in groups[2]["in_flight"]}
+        assert ops["foo"]["op"] == "unreadable", ops
+        assert f"{K.PROTOCOL}/w2/kfoo/" in ops["foo"]["detail"] and "malformed log entry" in ops["foo"]["detail"]
+        assert ops["stuck"]["op"] == "barrier" and ops["stuck"]["arrived"] == 1, ops
+        (big,) = groups[2147483647]["in_flight"]
+        assert big["arrived"] == 1 and big["missing"] is None
+        text = render(report)
+        assert "unreadable 'foo'" in text and "barrier 'stuck'" in text, text
+    finally:
+        coll.abort("test over")
+        stuck.join(30)
+        coll.close()

@@ -38,6 +38,10 @@ from .lanes import peek
 SCHEMA = "torch_ctrl.inspect/1"
 STOPPED_AFTER = 3  # beats of another rank seen while a rank's counter stood still
 MAX_PROBE_WORLD = 1024  # world sizes probed on stores that cannot list their keys
+# Rank lists (missing, absent) are spelled out up to this world size: a key naming a group of
+# 2^31 ranks (or one torch_ctrl could not have written) must not cost billions of entries.
+MAX_LISTED_WORLD = 1 << 20
+MAX_WORLD = (1 << 31) - 1  # the largest world size torch_ctrl accepts (base.MAX_WORLD_SIZE)
 _BATCH = 2048  # keys per check + multi_get
 READ_WAIT = 0.2  # seconds a batch read may wait for a key that was deleted after it was checked
 _KEY = re.compile(r"^(.*?)" + re.escape(K.PROTOCOL) + r"/w(\d+)/([^/]+)/(.+)$")
@@ -134,6 +138,8 @@ def _parse(keys: Iterable[str]) -> tuple[dict[tuple[str, int], _GroupKeys], dict
                         run["master"][(split[1], split[2])] = key
             continue
         prefix, world, token, rest = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+        if not 1 <= world <= MAX_WORLD:
+            continue  # no torch_ctrl group has this size: not its key
         group = groups.get((prefix, world))
         if group is None:
             group = groups[(prefix, world)] = _GroupKeys(prefix, world)
@@ -177,6 +183,14 @@ def _is_int_payload(value: bytes) -> bool:
     return text.lstrip(b"-").isdigit() and text == b"%d" % int(text)
 
 
+def _others(world: int, present: Iterable[int]) -> list[int] | None:
+    """The ranks of ``range(world)`` not in ``present``; None above MAX_LISTED_WORLD."""
+    if world > MAX_LISTED_WORLD:
+        return None
+    seen = set(present)
+    return [r for r in range(world) if r not in seen]
+
+
 def _classify(world: int, op: _OpKeys, values: dict[str, bytes | None], key_of: Any) -> dict[str, Any] | None:
     """What one op's keys say: ``None`` for a finished op whose keys await cleanup."""
     fields = op.fields
@@ -215,7 +229,7 @@ def _classify(world: int, op: _OpKeys, values: dict[str, bytes | None], key_of: 
         if out["aborted"] and not named:  # released by the abort: nobody is waiting any more
             out["missing"], out["unnamed"] = None, 0
             return out
-        out["missing"] = [r for r in range(world) if r not in named]
+        out["missing"] = _others(world, named)
         out["unnamed"] = max(0, (arrived or 0) - len(named))
         return out
     elif op.slots:
@@ -230,7 +244,7 @@ def _classify(world: int, op: _OpKeys, values: dict[str, bytes | None], key_of: 
             out["aborted"] = True
             named = set(blocked)
             out["arrived"] = None
-            out["missing"] = [r for r in range(world) if r not in named] if named else None
+            out["missing"] = _others(world, named) if named else None
             out["unnamed"] = 0
             out["detail"] = "released by the abort; its slots hold the notice"
             return out
@@ -260,7 +274,7 @@ def _classify(world: int, op: _OpKeys, values: dict[str, bytes | None], key_of: 
         cands = ["broadcast", "scatter"] + (["gather"] if len(blocked) == 1 else [])
         out["op"], out["candidates"] = "|".join(cands), cands
         out["arrived"] = len(blocked)
-        out["missing"] = [r for r in range(world) if r not in set(blocked)]
+        out["missing"] = _others(world, blocked)
         out["unnamed"] = 0
         out["detail"] = "waiting for the root to send"
         return out
@@ -268,7 +282,7 @@ def _classify(world: int, op: _OpKeys, values: dict[str, bytes | None], key_of: 
         return None  # only an exit counter: a finished op being cleaned up
     assert present is not None
     out["arrived"] = len(present)
-    out["missing"] = [r for r in range(world) if r not in present]
+    out["missing"] = _others(world, present)
     out["unnamed"] = 0
     return out
 
@@ -502,7 +516,20 @@ class Inspector:
         root = f"{g.prefix}{K.group_root(g.world)}/"
         ops, finished = [], 0
         for token, op in g.ops.items():
-            info = _classify(g.world, op, values, lambda f, t=token: f"{root}{t}/{f}")
+            try:
+                info = _classify(g.world, op, values, lambda f, t=token: f"{root}{t}/{f}")
+            except K.DecodeError as exc:
+                # Shown, not fatal: a value torch_ctrl could not have written may be why a job hangs.
+                info = {
+                    "op": "unreadable",
+                    "candidates": ["unreadable"],
+                    "blocked": [],
+                    "aborted": False,
+                    "arrived": None,
+                    "missing": None,
+                    "unnamed": 0,
+                    "detail": f"a value not written by torch_ctrl under {root}{token}/ ({exc})",
+                }
             if info is None:
                 finished += 1
                 continue
@@ -591,7 +618,7 @@ class Inspector:
             "ranks": ranks,
             "stopped": stopped,
             # Ranks without a counter: closed (the watcher deletes its counter) or never beating.
-            "absent": [r for r in range(g.world) if r not in current],
+            "absent": _others(g.world, current) or [],
             # Only from counters that moved at least twice: one move only bounds it by the window.
             "estimated_interval_s": round(window / max(moved_now), 3)
             if moved_now and max(moved_now) > 1 and window
