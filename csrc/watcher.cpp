@@ -200,9 +200,11 @@ void Watcher::close(double flush_timeout) {
   std::unique_lock<std::mutex> lock(state_->mutex);
   // Callers still blocked on other threads keep the thread serving them (naming, abort
   // notices, liveness) until they return: close() waits only for the cleanup queued so far.
+  // Not at exit: the thread then stops serving them and must end before finalization.
   state_->cv.wait_until(lock, end, [&] {
     const State& st = *state_;
-    return !st.running || (!st.blocked.empty() && st.tasks.empty() && !st.busy && st.later.empty());
+    bool flushed = st.tasks.empty() && !st.busy && st.later.empty();
+    return !st.running || (!leaving() && !st.blocked.empty() && flushed);
   });
   if (state_->thread.joinable()) {
     if (!state_->running) {

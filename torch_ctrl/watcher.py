@@ -314,8 +314,12 @@ class Watcher:
             self._cv.notify_all()
             # Callers still blocked on other threads keep the thread serving them (naming, abort
             # notices, liveness) until they return: close() waits only for the cleanup queued so far.
+            # Not at exit: the thread then stops serving them and must end before finalization.
             self._cv.wait_for(
-                lambda: not self._running or (self._blocked and not (self._tasks or self._busy or self._later)),
+                lambda: (
+                    not self._running
+                    or (not _LEAVING and self._blocked and not (self._tasks or self._busy or self._later))
+                ),
                 flush_timeout,
             )
             if self._running:
