@@ -618,7 +618,7 @@ class Inspector:
             "ranks": ranks,
             "stopped": stopped,
             # Ranks without a counter: closed (the watcher deletes its counter) or never beating.
-            "absent": _others(g.world, current) or [],
+            "absent": _others(g.world, current),
             # Only from counters that moved at least twice: one move only bounds it by the window.
             "estimated_interval_s": round(window / max(moved_now), 3)
             if moved_now and max(moved_now) > 1 and window
