@@ -117,7 +117,7 @@ def from_env(
         try:
             store = _connect(addr, port, rank == 0 and not agent_store, seconds)
         except _NoServer as exc:
-            hoster = "the torchrun agent of the job's first node" if agent_store else "rank 0's from_env()"
+            hoster = "the torchrun agent of the round's node 0" if agent_store else "rank 0's from_env()"
             raise CollectiveTimeoutError(
                 f"from_env (rank {rank} of {world_size}): no store server at {addr}:{port} "
                 f"(MASTER_ADDR:MASTER_PORT) within {seconds:g}s ({exc}); {hoster} hosts it",
