@@ -526,6 +526,7 @@ def test_a_connection_the_server_dropped_is_opened_again() -> None:
     assert insp.sample()["num_keys"] == 1
 
 
+@needs_list_keys
 def test_foreign_values_are_shown_not_fatal() -> None:
     """Keys in torch_ctrl's layout that torch_ctrl could not have written (a log that does not
     parse, a group of 10^11 ranks, one of 2^31 - 1 ranks with one arrival): the report still
