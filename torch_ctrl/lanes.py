@@ -389,15 +389,7 @@ def await_server(host: str, port: int, seconds: float) -> OSError | None:
     """Wait up to ``seconds`` for ``host:port`` to accept a plain TCP connection (closed at
     once): None once it does, else the last attempt's error. For a server that may start
     later (a job's rank 0): refusals and names that do not resolve yet are retried."""
-    deadline = time.monotonic() + seconds
-    pause = 0.01
-    while True:
-        exc = _attempt(host, port, min(deadline - time.monotonic(), 1.0))
-        left = deadline - time.monotonic()
-        if exc is None or left <= 0:
-            return exc
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, 0.5)
+    return _wait(host, port, time.monotonic() + seconds)
 
 
 def _reach(
@@ -411,14 +403,28 @@ def _reach(
     DistNetworkError at ``deadline``, once it failed when ``stop()`` is true, or at once on an
     error of a type in ``ends`` (``_REFUSED``: every address refused). Plain sockets and sleeps:
     a thread waiting here holds no lock and is not inside torch when the process exits."""
+    exc = _wait(host, port, deadline, stop, ends)
+    if exc is not None:
+        raise _unreachable(host, port, exc) from None
+
+
+def _wait(
+    host: str,
+    port: int,
+    deadline: float,
+    stop: Callable[[], bool] | None = None,
+    ends: tuple[type[OSError], ...] = (),
+) -> OSError | None:
+    """The loop of :func:`_reach` and :func:`await_server`: None once a connection is
+    accepted, else the last error (at ``deadline``, on ``stop()``, or one of ``ends``)."""
     pause = 0.01
     while True:
         exc = _attempt(host, port, min(deadline - time.monotonic(), 1.0))
         if exc is None:
-            return
+            return None
         left = deadline - time.monotonic()
         if left <= 0 or (stop is not None and stop()) or isinstance(exc, ends):
-            raise _unreachable(host, port, exc) from None
+            return exc
         time.sleep(min(pause, left))
         pause = min(pause * 2, 0.5)
 
