@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -41,6 +44,18 @@ def test_bad_construction(impl: str, args: tuple, exc: type) -> None:
 def test_store_must_be_a_store(impl: str) -> None:
     with pytest.raises(TypeError, match="torch.distributed.Store"):
         make(impl, {"not": "a store"}, 0, 2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("copier", [pickle.dumps, copy.deepcopy, copy.copy])
+def test_an_instance_does_not_pickle_and_says_what_to_send(impl: str, copier: Callable) -> None:
+    # what multiprocessing and mp.spawn do with an instance passed as an argument
+    stores = Stores("tcp")
+    coll = make(impl, stores.client(0), 0, 1)
+    with pytest.raises(TypeError, match=r"^cannot pickle a \w+StoreCollectives: .*store's address") as info:
+        copier(coll)
+    _one_line(info.value)
+    assert coll.all_sum("still-usable", 3) == 3
+    coll.close()
 
 
 BAD_CALLS = [

@@ -350,6 +350,17 @@ def _abort_for(coll: ControlCollectives, exc: BaseException, seconds: float) -> 
 # --------------------------------------------------------------------------- checks
 
 
+def not_picklable(owner: str) -> NoReturn:
+    """Raise the TypeError of pickling an instance (``multiprocessing``, ``mp.spawn`` arguments,
+    ``copy.deepcopy``): it holds connections to its store and a background thread, which no
+    other process can use, so the error says what to send instead."""
+    raise TypeError(
+        f"cannot pickle a {owner}: it holds connections to its store and a background thread; "
+        "send the store's address (host and port, or a FileStore's path) to the other process "
+        "and create the store and the instance there"
+    )
+
+
 def call_error(owner: str, method: str, args: tuple, kwargs: dict) -> NoReturn:
     """Raise the one-line TypeError of a call to ``method`` whose arguments do not fit its
     signature (what a Python method raises; the C++ methods' bindings call this rather than

@@ -12,7 +12,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch  # noqa: F401 - loads libtorch before the extension
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from .base import (
     check_init,
     check_reachable,
     check_reason,
+    not_picklable,
     unreachable,
 )
 from .errors import forked_error
@@ -197,6 +198,9 @@ class CppStoreCollectives(ControlCollectives):
                 impl.close(0.0)  # the watcher drains its queue on its own
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
+
+    def __reduce__(self) -> NoReturn:
+        not_picklable(type(self).__name__)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"

@@ -30,6 +30,7 @@ from .base import (
     check_key,
     check_reachable,
     check_reason,
+    not_picklable,
     to_bytes,
     to_bytes_list,
     to_int64,
@@ -297,6 +298,9 @@ class PyStoreCollectives(ControlCollectives):
         watcher = getattr(self, "_watcher", None)
         if watcher is not None and os.getpid() == getattr(self, "_owner", None):
             watcher.close(0.0)  # the thread drains its queue on its own
+
+    def __reduce__(self) -> NoReturn:
+        not_picklable(type(self).__name__)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self._rank}, world_size={self._world})"
