@@ -188,10 +188,17 @@ def connect(params: Any, config: RendezvousConfig) -> tuple[dist.Store, str, int
     use_libuv = params.get_as_bool("use_libuv", True)
     explicit = params.get_as_bool("is_host") is not None
     last: Exception | None = None
+    deadline = time.monotonic() + config.join_timeout
     for server in [hosting, False] if hosting else [False]:
-        kwargs: dict[str, Any] = dict(
-            is_master=server, multi_tenant=True, timeout=timedelta(seconds=config.join_timeout)
-        )
+        if not server:
+            # Wait for the host with plain sockets (its agent may start later): a host that
+            # never comes is one line at join_timeout, where torch's connect loop retries past
+            # it and logs each failed attempt with a C++ stack trace.
+            last = await_server(host, port, max(0.0, deadline - time.monotonic()))
+            if last is not None:
+                break
+        left = max(deadline - time.monotonic(), 1.0)
+        kwargs: dict[str, Any] = dict(is_master=server, multi_tenant=True, timeout=timedelta(seconds=left))
         if use_libuv is not None and not use_libuv:
             kwargs["use_libuv"] = False
         try:
@@ -206,7 +213,7 @@ def connect(params: Any, config: RendezvousConfig) -> tuple[dist.Store, str, int
         if server:
             log.info("torch_ctrl: process %d hosts the ctrl rendezvous store on port %d", os.getpid(), store.port)
         return store, host, int(store.port)
-    cause = str(last).strip().splitlines()[0] if last is not None and str(last).strip() else type(last).__name__
+    cause = one_line(str(last)) or type(last).__name__
     raise api.RendezvousConnectionError(
         f"ctrl rendezvous: cannot reach the rendezvous store at {host}:{port} "
         f"within join_timeout={config.join_timeout:g}s ({cause})"
