@@ -271,7 +271,7 @@ int64_t StoreCollectives::all_sum(const Key& key, int64_t data, double timeout) 
     int64_t value = 0;
     auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), value);
     if (ec != std::errc() || ptr != v.data() + v.size()) {
-      throw CollectiveError(op.name, op.label, "unexpected value in the store (not written by torch_ctrl?)");
+      throw CollectiveError(op.name, op.label, op.key(K::kLog) + ": " + K::kBadValue);
     }
     values.push_back(value);
   }
@@ -348,7 +348,7 @@ int64_t StoreCollectives::sum_counted(const Op& op, int64_t value) {
   exit_later(op, world_, {K::kArrive, K::kSum, K::kDone});
   auto total = K::parse_total(done);
   if (!total) {
-    throw CollectiveError(op.name, op.label, "unexpected value in the store (not written by torch_ctrl?)");
+    throw CollectiveError(op.name, op.label, op.key(K::kDone) + ": " + K::kBadValue);
   }
   return *total;
 }
@@ -588,7 +588,7 @@ std::pair<std::string, std::vector<std::string>> StoreCollectives::untag(
   if (!value.empty() && value[0] == K::kTagAbort) {
     raise_abort(op, value.substr(1));
   }
-  throw CollectiveError(op.name, op.label, "unexpected value in the store (not written by torch_ctrl?)");
+  throw CollectiveError(op.name, op.label, key + ": " + K::kBadValue);
 }
 
 std::optional<std::string> StoreCollectives::until_counted(const Op& op, Lane& lane) {

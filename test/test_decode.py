@@ -159,8 +159,23 @@ def test_hostile_slot_value_is_one_line_error(impl: str, kind: str, op: str, val
         getattr(coll, op)("hostile", timeout=20)
     coll.close()
     text = str(info.value)
-    assert "\n" not in text and "hostile" in text
+    assert "\n" not in text and f"{K.op_prefix(2, 'hostile', -1)}/{field}: " in text, text  # names the key
     assert ("bad chunk count" in text) or (K.BAD_VALUE in text), text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+@pytest.mark.parametrize("value", [b"zz", b"", b"1.5"])
+def test_hostile_sum_is_one_line_error_naming_the_key(impl: str, value: bytes) -> None:
+    """A total another program wrote where the generic all_sum publishes it (its done flag)."""
+    stores = Stores("hash")
+    stores.client(0).set(f"{K.op_prefix(2, 'hostile', -1)}/d", value)
+    coll = make(impl, stores.client(1), 1, 2)
+    with pytest.raises(CollectiveError) as info:
+        coll.all_sum("hostile", 5, timeout=20)
+    coll.close()
+    text = str(info.value)
+    assert "\n" not in text and f"{K.op_prefix(2, 'hostile', -1)}/d: {K.BAD_VALUE}" in text, text
 
 
 @pytest.mark.timeout(60)

@@ -263,9 +263,7 @@ class PyStoreCollectives(ControlCollectives):
         try:
             return K.wrap_int64(sum(int(v) for v in entries.values()))
         except ValueError:
-            raise collective_error(
-                op.name, op.label, "unexpected value in the store (not written by torch_ctrl?)"
-            ) from None
+            raise collective_error(op.name, op.label, f"{op.key(K.LOG)}: {K.BAD_VALUE}") from None
 
     def abort(self, reason: str = "") -> None:
         """Mark the group (every instance on this store namespace and world size) as failed by
@@ -360,7 +358,7 @@ class PyStoreCollectives(ControlCollectives):
                 raise self._failure(op, exc) from None
             done = self._arrive(op, lane, lambda: b"%d" % K.wrap_int64(lane.add(total_key, 0)))
         self._exit_later(op, self._world, [K.ARRIVE, K.SUM, K.DONE])
-        return K.parse_total(done, lambda: collective_error(op.name, op.label, K.BAD_VALUE))
+        return K.parse_total(done, lambda: collective_error(op.name, op.label, f"{op.key(K.DONE)}: {K.BAD_VALUE}"))
 
     def _wake_native(self, op: _Op, counter: str) -> Callable[[Lane, bytes], None]:
         """How the watcher releases a caller in TCPStore's server-side barrier on abort: raise
@@ -523,7 +521,7 @@ class PyStoreCollectives(ControlCollectives):
             return self._decode(op, key, K.join_chunks, parts), names
         if value[:1] == K.TAG_ABORT:
             self._raise_abort(op, value[1:])
-        raise collective_error(op.name, op.label, "unexpected value in the store (not written by torch_ctrl?)")
+        raise collective_error(op.name, op.label, f"{key}: {K.BAD_VALUE}")
 
     @staticmethod
     def _decode(op: _Op, key: str, decoder: Callable[..., T], *args: object) -> T:
