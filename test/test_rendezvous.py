@@ -3,6 +3,7 @@ client per handler, handlers as threads (and one as a process that is SIGKILLed)
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -368,7 +369,7 @@ def test_a_client_joins_a_host_that_starts_later() -> None:
     handler.shutdown()
 
 
-def test_a_lost_rendezvous_store_names_the_host_that_served_it() -> None:
+def test_a_lost_rendezvous_store_names_the_host_that_served_it(caplog: pytest.LogCaptureFixture) -> None:
     """The agent that hosts the rendezvous store dies: the other nodes' calls fail at once with
     one line naming the store's address and its host (the one to look at), not torch's bare
     socket error."""
@@ -385,8 +386,12 @@ def test_a_lost_rendezvous_store_names_the_host_that_served_it() -> None:
     assert msg.startswith(f"ctrl rendezvous '{job.run_id}': the rendezvous store at {HOST}:{job.port} is gone: "), msg
     assert f"the torchrun agent that hosts it, on {HOST}, exited or cannot be reached (" in msg, msg
     assert "\n" not in msg, msg
-    for h in (a, b):
-        h.shutdown()
+    # Leaving then has nothing to close: the run went with its store. Said at INFO, not as a
+    # warning (a failed node's agent routinely outlives the host it notified).
+    with caplog.at_level(logging.INFO, logger="torch_ctrl"):
+        assert [h.shutdown() for h in (a, b)] == [False, False]
+    said = [r for r in caplog.records if "could not be closed" in r.getMessage()]
+    assert len(said) == 2 and all(r.levelno == logging.INFO and " is gone: " in r.getMessage() for r in said)
 
 
 @pytest.mark.parametrize(

@@ -473,7 +473,11 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             self.set_closed()
             return True
         except _errors().RendezvousError as exc:
-            log.warning("torch_ctrl: the ctrl rendezvous '%s' could not be closed: %s", self.config.run_id, exc)
+            # A store that is gone took the run with it: its host's agent finished first (a
+            # failed node's agent often outlives the host it notified). Nothing is left to close.
+            gone = " is gone: " in str(exc)
+            level = logging.INFO if gone else logging.WARNING
+            log.log(level, "torch_ctrl: the ctrl rendezvous '%s' could not be closed: %s", self.config.run_id, exc)
             return False
         finally:
             with turn():
