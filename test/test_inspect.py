@@ -51,8 +51,18 @@ def dump(store: dist.Store) -> dict[str, bytes]:
     return dict(zip(keys, (bytes(v) for v in store.multi_get(keys)))) if keys else {}
 
 
+# What docs/inspect.md promises for every op in flight, whatever it is (null where it does not apply).
+OP_FIELDS = {
+    "key", "token", "op", "candidates", "world_size", "arrived", "blocked", "missing", "unnamed",
+    "aborted", "root", "slots", "detail", "other_world_sizes", "pending_s", "unchanged_s",
+}  # fmt: skip
+
+
 def ops_by_key(report: dict[str, Any], world: int = WORLD) -> dict[str, dict[str, Any]]:
-    return {op["key"]: op for g in report["groups"] if g["world_size"] == world for op in g["in_flight"]}
+    ops = {op["key"]: op for g in report["groups"] if g["world_size"] == world for op in g["in_flight"]}
+    for op in ops.values():
+        assert set(op) == OP_FIELDS, sorted(set(op) ^ OP_FIELDS)
+    return ops
 
 
 def block(coll: Any, rank: int, op: str, timeout: float = 60) -> None:

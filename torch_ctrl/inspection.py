@@ -550,6 +550,12 @@ class Inspector:
                 {
                     "key": decode_token(token),
                     "token": token,
+                    # Every op has every field (null or empty where it does not apply), so
+                    # that JSON readers can index them.
+                    "root": None,
+                    "slots": None,
+                    "detail": None,
+                    "other_world_sizes": [],
                     **info,
                     "world_size": g.world,
                     "pending_s": round(now - seen.first, 3),
