@@ -428,6 +428,7 @@ void Watcher::release(State& st, Lane& lane) {
 
 void Watcher::run(std::shared_ptr<State> st) {
   std::unique_ptr<Lane> lane;
+  bool dead = false;  // the lane's connection was lost and no new one could be opened yet
   try {
     // A background connection (twin of Watcher._run): the thread may start after the server
     // went away, and must not spend seconds per attempt in torch's connect loop.
@@ -522,52 +523,70 @@ void Watcher::run(std::shared_ptr<State> st) {
     bool closing = st->closed;
     st->cv.notify_all();
     lock.unlock();
-    bool broken = false;
-    auto safely = [&](const std::function<void()>& fn) {
-      try {
-        fn();
-      } catch (const std::exception& exc) {
-        // background work is best effort; a lost connection is replaced below
-        broken = broken || (lane->owned && connection_lost(exc));
+    auto reopen = [&]() {
+      // A new connection (not a pooled lane: those may be as dead as ours); none once the
+      // process exits or the instance is closed. False while the server is still gone.
+      if (leaving() || closing) {
+        return false;
       }
-    };
-    if (do_beat) {
-      safely([&] { lane->add(st->hb_key, 1); });
-    }
-    if (do_poll) {
-      safely([&] { poll(*st, *lane); });
-    }
-    if (do_release) {
-      safely([&] { release(*st, *lane); });
-    }
-    for (const auto& key : names) {
-      safely([&] { lane->append(key, std::to_string(rank) + ","); });
-    }
-    for (const auto& wake : wakes) {
-      safely([&] { wake(*lane, notice); });
-    }
-    for (auto& task : tasks) {
-      safely([&] { task(*lane); });
-    }
-    if (broken && !closing) {
-      // close() may have come while the tasks ran: read it again (twin of Watcher._healed),
-      // so that a closing watcher does not first wait out a reconnect (about 2 s).
-      std::lock_guard<std::mutex> relock(st->mutex);
-      closing = st->closed;
-    }
-    if (broken && !leaving() && !closing) {  // no new connection once the process exits
-      // The server restarted or dropped us: go on with a new connection (not a pooled lane:
-      // those may be as dead as ours); while none can be opened, keep trying on each wake.
       try {
         lane = st->lanes->open(kHealConnect, [&st] {
           std::lock_guard<std::mutex> relock(st->mutex);
           return leaving() || st->closed;
         });
+        return true;
       } catch (const std::exception&) {
+        return false;
+      }
+    };
+    if (dead) {
+      dead = !reopen();  // the last wake found the server gone: try again first
+    }
+    bool broken = false;
+    if (!dead) {
+      auto safely = [&](const std::function<void()>& fn) {
+        try {
+          fn();
+        } catch (const std::exception& exc) {
+          // background work is best effort; a lost connection is replaced below
+          broken = broken || (lane->owned && connection_lost(exc));
+        }
+      };
+      if (do_beat) {
+        safely([&] { lane->add(st->hb_key, 1); });
+      }
+      if (do_poll) {
+        safely([&] { poll(*st, *lane); });
+      }
+      if (do_release) {
+        safely([&] { release(*st, *lane); });
+      }
+      for (const auto& key : names) {
+        safely([&] { lane->append(key, std::to_string(rank) + ","); });
+      }
+      for (const auto& wake : wakes) {
+        safely([&] { wake(*lane, notice); });
+      }
+      for (auto& task : tasks) {
+        safely([&] { task(*lane); });
+      }
+      if (broken) {
+        // close() may have come while the tasks ran: read it again (twin of Watcher._healed),
+        // so that a closing watcher does not first wait out a reconnect (about 2 s).
+        {
+          std::lock_guard<std::mutex> relock(st->mutex);
+          closing = st->closed;
+        }
+        // The server restarted or dropped us: go on with a new connection; while none can be
+        // opened, the next wakes try again before touching the store.
+        dead = !reopen();
       }
     }
+    // While dead, a wake's work is dropped rather than sent on the dead connection (torch logs
+    // a C++ trace for each such call, a beat a second when idle); a server that comes back is
+    // a new one, without the keys it would touch (twin of Watcher._run).
     lock.lock();
-    if (broken && closing) {
+    if (dead && closing) {
       // Closing, and the connection is lost: what is left to clean stays (as after a crash)
       // rather than close() waiting out a reconnect per task.
       st->tasks.clear();

@@ -587,3 +587,53 @@ def test_an_address_that_neither_accepts_nor_refuses_is_left_to_torch() -> None:
     finally:
         for sock in [*queued, listener]:
             sock.close()
+
+
+_IDLE_RANK = """
+import sys, time, torch.distributed as dist
+sys.path.insert(0, {test_dir!r})
+from helpers import make_cls
+store = dist.TCPStore("127.0.0.1", {port}, is_master=False)
+coll = make_cls({impl!r}, 0)(store, 0, 2, heartbeat_interval=0.05)
+print("ready", flush=True)
+sys.stdin.readline()  # the server is gone now
+time.sleep(6.0)  # idle: 120 heartbeats due
+print("done", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+def test_an_idle_rank_whose_server_is_gone_does_not_log_every_heartbeat(impl: str) -> None:
+    """Heartbeats on, the store's server killed, the rank idle: its watcher finds the
+    connection lost once, then only tries to reconnect (plain-socket checks, which log
+    nothing) instead of sending each beat on the dead connection, for which torch logs a C++
+    trace (torch then logs about one a second: 6 or more in these 6 s before)."""
+    import os
+    import subprocess
+    import sys
+
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+    port = int(server.stdout.readline())
+    code = _IDLE_RANK.format(test_dir=os.path.dirname(__file__), port=port, impl=impl)
+    rank = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert rank.stdout.readline().strip() == "ready"
+        server.kill()
+        server.wait(10)
+        out, err = rank.communicate("\n", timeout=40)
+    finally:
+        server.kill()
+        rank.kill()
+    assert rank.returncode == 0 and out.strip() == "done", err[-2000:]
+    assert err.count("Exception raised from") <= 3, err[-3000:]
+
+
+_SERVER = """
+import time, torch.distributed as dist
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(server.port, flush=True)
+time.sleep(600)
+"""

@@ -415,21 +415,13 @@ class Watcher:
             return
         while True:
             tasks, names, wake, poll, beat, release = self._next_work()
-            if beat:
-                self._safely(lambda ln: ln.add(self._hb_key, 1), lane)
-            if poll:
-                self._safely(self._poll, lane)
-            if release:
-                self._safely(self._release, lane)
-            for key in names:
-                self._safely(lambda ln, k=key: ln.append(k, b"%d," % self._rank), lane)
-            for blocked in wake:
-                if blocked.wake is not None:
-                    notice = self.notice or b""
-                    self._safely(lambda ln, b=blocked, n=notice: b.wake(ln, n), lane)  # type: ignore[misc]
-            for task in tasks:
-                self._safely(task, lane)
-            lane = self._healed(lane)
+            if self._broken:
+                lane = self._healed(lane)  # the last wake found the server gone: try again first
+            if not self._broken:
+                lane = self._serve(lane, tasks, names, wake, poll, beat, release)
+            # else the server is still gone: this wake's work is dropped rather than sent on the
+            # dead connection (torch logs a C++ trace for each such call, a beat a second when
+            # idle); a server that comes back is a new one, without the keys it would touch.
             with self._cv:
                 if self._broken and self._closed:
                     # Closing, and the connection is lost: what is left to clean stays (as after
@@ -445,6 +437,33 @@ class Watcher:
         with self._cv:
             self._running = False
             self._cv.notify_all()
+
+    def _serve(
+        self,
+        lane: Lane,
+        tasks: list[Task],
+        names: list[str],
+        wake: list[_Blocked],
+        poll: bool,
+        beat: bool,
+        release: bool,
+    ) -> Lane:
+        """One wake's store work, in order; the lane to go on with (a new one if this one was lost)."""
+        if beat:
+            self._safely(lambda ln: ln.add(self._hb_key, 1), lane)
+        if poll:
+            self._safely(self._poll, lane)
+        if release:
+            self._safely(self._release, lane)
+        for key in names:
+            self._safely(lambda ln, k=key: ln.append(k, b"%d," % self._rank), lane)
+        for blocked in wake:
+            if blocked.wake is not None:
+                notice = self.notice or b""
+                self._safely(lambda ln, b=blocked, n=notice: b.wake(ln, n), lane)  # type: ignore[misc]
+        for task in tasks:
+            self._safely(task, lane)
+        return self._healed(lane)
 
     def _poll(self, lane: Lane) -> None:
         """One abort check (and, with liveness, one heartbeat read) for blocked callers."""
