@@ -575,3 +575,100 @@ def test_a_nonblocking_arrival_is_not_taken_for_dead(impl: str, kind: str, leave
     before = stores.admin.num_keys()
     assert run_group(impl, stores, 3, fn, heartbeat_interval=0.1) == ["arrived", "through", "through"]
     assert stores.admin.num_keys() == before
+
+
+# ------------------------------------------------------------ exceptions that end a rank
+
+
+@pytest.mark.timeout(60)
+def test_an_exception_leaving_a_with_block_aborts_the_group(impl: str) -> None:
+    """Rank 2's block raises: its peers, blocked in a barrier with it, fail within seconds
+    with its exception's first line, not at their 60 s timeout; rank 2 gets its own exception."""
+    stores = Stores("prefix")
+    start = time.monotonic()
+
+    def body(rank: int) -> object:
+        try:
+            with make(impl, stores.client(rank), rank, 3) as coll:
+                if rank == 2:
+                    raise RuntimeError("boom\nsecond line")
+                coll.barrier("b", 60)
+            return "passed"
+        except CollectiveAbortedError as exc:
+            return ("aborted", exc.rank, exc.reason, time.monotonic() - start)
+        except RuntimeError as exc:
+            return ("raised", str(exc))
+
+    results = run_ranks(3, body)
+    assert results[2] == ("raised", "boom\nsecond line")
+    for kind, rank, reason, took in results[:2]:
+        assert (kind, rank, reason) == ("aborted", 2, "RuntimeError: boom"), results
+        assert took < 10, took
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("leave", ["sys.exit(0)", "sys.exit()", "close"])
+def test_a_with_block_left_normally_does_not_abort(impl: str, leave: str) -> None:
+    stores = Stores("tcp")
+
+    def body(rank: int) -> None:
+        try:
+            with make(impl, stores.client(rank), rank, 3) as coll:
+                coll.barrier("b", 30)
+                if leave != "close":
+                    raise SystemExit(0 if leave == "sys.exit(0)" else None)
+        except SystemExit:
+            pass
+
+    run_ranks(3, body)
+    assert not stores.client(0).check([K.abort_key(3)])
+
+
+_CRASHING_RANK = """
+import sys, time, torch.distributed as dist
+sys.path.insert(0, {test_dir!r})
+from helpers import make
+store = dist.TCPStore("127.0.0.1", {port}, is_master=False)
+coll = make({impl!r}, store, 2, 3)  # never closed
+coll.barrier("before", 60)
+{end}
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("end", ["raise RuntimeError('disk full')", "print('done')"])
+def test_a_process_ending_on_an_uncaught_exception_aborts_its_groups(impl: str, end: str) -> None:
+    """A real rank process whose script ends on a traceback: its peers, blocked with it, learn
+    it within seconds (the exit hook aborts the groups it did not close) and the process still
+    exits 1 with its traceback. A script that ends normally aborts nothing."""
+    import subprocess
+    import sys
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    code = _CRASHING_RANK.format(test_dir=os.path.dirname(__file__), port=server.port, impl=impl, end=end)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    crashing = end.startswith("raise")
+
+    def body(rank: int) -> object:
+        with make(impl, dist.TCPStore("127.0.0.1", server.port, is_master=False), rank, 3) as coll:
+            coll.barrier("before", 60)
+            try:
+                coll.barrier("after", 60 if crashing else 1)
+            except CollectiveAbortedError as exc:
+                return ("aborted", exc.rank, exc.reason)
+            except dist.DistStoreError as exc:
+                return ("timeout", str(exc).split(":")[0])
+        return "passed"
+
+    try:
+        results = run_ranks(2, body, timeout=80)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    if crashing:
+        assert results == [("aborted", 2, "RuntimeError: disk full")] * 2, results
+        assert proc.returncode == 1 and err.rstrip().endswith("RuntimeError: disk full"), (proc.returncode, err[-2000:])
+    else:
+        assert [r[0] for r in results] == ["timeout", "timeout"], results  # rank 2 is simply absent
+        assert proc.returncode == 0 and out.strip() == "done", (proc.returncode, err[-2000:])
+        assert not server.check([K.abort_key(3)])

@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import atexit
+
+from . import base as _base
 from .base import ControlCollectives
 from .errors import (
     CollectiveAbortedError,
@@ -61,3 +64,8 @@ def register() -> None:
 
 
 register()
+
+
+# Registered last, so it runs first at exit: before the watchers stop (atexit runs its
+# callbacks in reverse order), a process ending on an uncaught exception aborts its groups.
+atexit.register(_base.abort_open_groups_on_crash)

@@ -7,7 +7,10 @@ import abc
 import inspect
 import logging
 import operator
+import os
+import sys
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -15,7 +18,7 @@ from typing import NoReturn, Union
 
 import torch.distributed as dist
 
-from .errors import CollectiveError, init_error, one_line
+from .errors import CollectiveAbortedError, CollectiveError, init_error, one_line
 from .lanes import BASIC, base_store, check_server, connection_lost, lost_text, python_methods, server_of
 
 Data = Union[bytes, bytearray, memoryview, str]
@@ -260,7 +263,8 @@ class ControlCollectives(abc.ABC):
     @contextmanager
     def abort_on_error(self, abort_timeout: Timeout = ABORT_ON_ERROR_TIMEOUT) -> Iterator[None]:
         """Context manager: if the block raises, abort the group with the exception's type and
-        first line (``"OSError: disk full"``), then re-raise that exception unchanged.
+        first line (``"OSError: disk full"``), then re-raise that exception unchanged
+        (``sys.exit(0)`` and ``sys.exit()`` abort nothing).
 
         The abort is given at most ``abort_timeout`` (default 2 s): a healthy abort takes one
         store round trip, but with the store down it could take the store's timeout. If it
@@ -280,7 +284,7 @@ class ControlCollectives(abc.ABC):
         try:
             yield
         except BaseException as exc:
-            if not isinstance(exc, GeneratorExit):
+            if fails(exc):  # not a generator's close, not sys.exit(0)
                 _abort_for(self, exc, seconds)
             raise
 
@@ -303,8 +307,54 @@ class ControlCollectives(abc.ABC):
     def __enter__(self) -> ControlCollectives:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        """Close; if the block raised, first abort the group, as :meth:`abort_on_error` does
+        (bounded by 2 s, the exception is re-raised unchanged), so that peers blocked in a
+        collective with this rank fail within a second instead of waiting out their timeout.
+        Not for ``sys.exit(0)``, nor when the group is already aborted."""
+        if exc is not None and fails(exc) and not isinstance(exc, CollectiveAbortedError):
+            if type(self).abort is not ControlCollectives.abort:  # a backend that can abort
+                _abort_for(self, exc, ABORT_ON_ERROR_TIMEOUT)
         self.close()
+
+
+# Instances of this process not closed yet: an exit on an uncaught exception aborts their
+# groups (abort_open_groups_on_crash). Both implementations add and discard themselves.
+_OPEN: weakref.WeakSet[ControlCollectives] = weakref.WeakSet()
+
+
+def opened(coll: ControlCollectives) -> None:
+    """``coll`` was made in this process (its constructor calls this)."""
+    _OPEN.add(coll)
+
+
+def closed(coll: ControlCollectives) -> None:
+    """``coll`` was closed: an exit afterwards, even on an exception, is not its group's failure."""
+    _OPEN.discard(coll)
+
+
+def fails(exc: BaseException) -> bool:
+    """Whether an exception ending a block means this rank failed: not a generator's
+    close, and not ``sys.exit()`` / ``sys.exit(0)``."""
+    if isinstance(exc, GeneratorExit):
+        return False
+    return not (isinstance(exc, SystemExit) and exc.code in (0, None))
+
+
+def abort_open_groups_on_crash() -> None:
+    """At interpreter exit: when the process is ending on an uncaught exception (a script's
+    traceback, ``sys.last_exc``), abort the group of every instance it did not close, as
+    :meth:`ControlCollectives.abort_on_error` would have, so that peers learn it at once,
+    with the exception's first line, rather than at their timeout. Registered by
+    ``import torch_ctrl`` to run before the watchers stop."""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if exc is None or hasattr(sys, "ps1") or "ipykernel" in sys.modules:
+        return  # a normal exit, or an interactive session (an earlier error there ended nothing)
+    if not isinstance(exc, BaseException) or not fails(exc) or isinstance(exc, CollectiveAbortedError):
+        return
+    for coll in list(_OPEN):
+        if getattr(coll, "_owner", os.getpid()) == os.getpid() and type(coll).abort is not ControlCollectives.abort:
+            _abort_for(coll, exc, ABORT_ON_ERROR_TIMEOUT)
 
 
 def _abort_for(coll: ControlCollectives, exc: BaseException, seconds: float) -> None:
@@ -338,7 +388,7 @@ def _abort_for(coll: ControlCollectives, exc: BaseException, seconds: float) -> 
         problem = f"the abort failed: {type(err).__name__}" + (f": {detail}" if detail else "")
     else:
         return
-    log.warning("torch_ctrl: abort_on_error: the group was not aborted after %s: %s", type(exc).__name__, problem)
+    log.warning("torch_ctrl: the group was not aborted after %s: %s", type(exc).__name__, problem)
     add_note = getattr(exc, "add_note", None)  # Python 3.11+
     if add_note is not None:
         try:

@@ -29,7 +29,9 @@ from .base import (
     check_init,
     check_reachable,
     check_reason,
+    closed,
     not_picklable,
+    opened,
     unreachable,
 )
 from .errors import forked_error
@@ -89,6 +91,7 @@ class CppStoreCollectives(ControlCollectives):
         except Exception as exc:  # the C++ object closes its watcher as it unwinds
             raise unreachable(exc, store, rank, world_size) from None
         _LIVE.add(self)
+        opened(self)
         self._shortcut()
 
     @property
@@ -181,6 +184,7 @@ class CppStoreCollectives(ControlCollectives):
         if os.getpid() != self._owner:
             self._orphan()  # a forked child: the connections and thread are the parent's
             return
+        closed(self)
         self._native.close(float(flush_timeout))
 
     def _orphan(self) -> None:

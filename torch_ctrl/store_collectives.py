@@ -30,7 +30,9 @@ from .base import (
     check_key,
     check_reachable,
     check_reason,
+    closed,
     not_picklable,
+    opened,
     to_bytes,
     to_bytes_list,
     to_int64,
@@ -148,6 +150,7 @@ class PyStoreCollectives(ControlCollectives):
             raise unreachable(exc, store, self._rank, self._world) from None
         if notice is not None:
             self._watcher.aborted(notice)
+        opened(self)
 
     # ------------------------------------------------------------------ public
     @property
@@ -289,6 +292,7 @@ class PyStoreCollectives(ControlCollectives):
         """
         if os.getpid() != self._owner:
             return  # a forked child: the connections and thread are the parent's (its locks may be held)
+        closed(self)
         self._watcher.close(flush_timeout)
         self._lanes.close()
 
