@@ -329,3 +329,26 @@ def test_each_round_starts_with_a_clean_workers_store() -> None:
 
     assert run_ranks(2, node) == [("127.0.0.1", workers.port)] * 2
     assert workers.admin.list_keys() == ["torch.rendezvous.job.0/state"]
+
+
+def test_the_failure_notice_names_root_causes_before_the_workers_torch_stopped() -> None:
+    """torchrun stops the rest of a failed worker group with SIGTERM: a worker killed from
+    outside (SIGKILL: the OOM killer) or one that exited with a code is the cause, and is
+    named first, in the order they failed."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from torch_ctrl.elastic.agent import _exit, _root_causes_first
+
+    def failed(rank: int, code: int) -> ProcessFailure:
+        return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file="")
+
+    term, kill = -int(signal.SIGTERM), -int(signal.SIGKILL)
+    failures = {0: failed(0, term), 1: failed(1, term), 2: failed(2, kill)}
+    assert [r for r, _ in _root_causes_first(failures)] == [2, 0, 1]
+    assert _exit(2, failures[2]) == "rank 2: killed by SIGKILL"
+    failures = {0: failed(0, term), 3: failed(3, 3), 1: failed(1, kill)}
+    first, second, third = _root_causes_first(failures)
+    assert {first[0], second[0]} == {1, 3} and third[0] == 0  # causes by time, then the stopped
+    assert first[1].timestamp <= second[1].timestamp

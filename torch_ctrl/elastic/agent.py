@@ -294,8 +294,15 @@ def _announce(agent: Any, group: AgentGroup, result: Any) -> None:
 
 
 def _root_causes_first(failures: dict[int, Any]) -> list[tuple[int, Any]]:
-    """Workers that exited on their own first, then those torch stopped with a signal."""
-    return sorted(failures.items(), key=lambda item: (item[1].exitcode < 0, item[1].timestamp, item[0]))
+    """The root causes first, in the order they failed (an exit code, or a signal from outside:
+    SIGKILL from the OOM killer, SIGSEGV), then the workers torch stopped: torchrun stops the
+    others of a failed group with SIGTERM."""
+    import signal
+
+    def stopped_by_torch(failure: Any) -> bool:
+        return failure.exitcode == -int(signal.SIGTERM)
+
+    return sorted(failures.items(), key=lambda item: (stopped_by_torch(item[1]), item[1].timestamp, item[0]))
 
 
 def _exit(rank: int, failure: Any) -> str:
