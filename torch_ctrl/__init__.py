@@ -15,6 +15,7 @@ from .errors import (
     CollectiveError,
     CollectiveTimeoutError,
     KeyReusedError,
+    StoreUnreachableError,
 )
 from .inspection import inspect
 from .loader import StoreCollectives, backend, import_error
@@ -33,6 +34,7 @@ __all__ = [
     "PyStoreCollectives",
     "RankNamed",
     "StoreCollectives",
+    "StoreUnreachableError",
     "backend",
     "from_env",
     "import_error",

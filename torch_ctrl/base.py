@@ -18,7 +18,7 @@ from typing import NoReturn, Union
 
 import torch.distributed as dist
 
-from .errors import CollectiveAbortedError, CollectiveError, init_error, one_line
+from .errors import CollectiveAbortedError, StoreUnreachableError, init_error, one_line
 from .lanes import BASIC, base_store, check_server, connection_lost, lost_text, python_methods, server_of
 
 Data = Union[bytes, bytearray, memoryview, str]
@@ -480,7 +480,7 @@ def abort_unreachable(exc: BaseException, store: dist.Store) -> BaseException:
     becomes one line naming the server, ``abort: store unreachable: ...`` (a CollectiveError,
     so a DistStoreError); anything else stays as it is. Both twins raise this."""
     if isinstance(exc, Exception) and connection_lost(exc):
-        return CollectiveError(f"abort: store unreachable: {lost_text(server_of(store), one_line(str(exc)))}")
+        return StoreUnreachableError(f"abort: store unreachable: {lost_text(server_of(store), one_line(str(exc)))}")
     return exc
 
 

@@ -28,6 +28,25 @@ class CollectiveError(dist.DistStoreError):
     """
 
 
+class StoreUnreachableError(CollectiveError, getattr(dist, "DistNetworkError", dist.DistError)):  # type: ignore[misc]
+    """The store's server could not be reached, or the connection to it was lost: one line,
+    ``... store unreachable: ...``, naming the server's address. Also a
+    ``torch.distributed.DistNetworkError``, what torch's own store calls raise then, so
+    handlers written for either keep catching it.
+
+    Example::
+
+        try:
+            coll.barrier("ready")
+        except torch_ctrl.StoreUnreachableError:
+            restart_from_checkpoint()  # the job's store is gone
+    """
+
+
+# How every store-unreachable detail starts (both implementations build their errors here).
+UNREACHABLE = "store unreachable: "
+
+
 class CollectiveTimeoutError(CollectiveError):
     """A collective did not complete within its timeout.
 
@@ -149,12 +168,14 @@ def aborted_error(op: str, key: str, rank: int, reason: str) -> CollectiveAborte
 
 def collective_error(op: str, key: str, detail: str) -> CollectiveError:
     """Build the one-line error of ``op`` failing for another reason (store error, bad data)."""
-    return CollectiveError(f"{op} {key!r}: {detail}")
+    cls = StoreUnreachableError if detail.startswith(UNREACHABLE) else CollectiveError
+    return cls(f"{op} {key!r}: {detail}")
 
 
 def init_error(rank: int, world_size: int, detail: str) -> CollectiveError:
     """A new instance that cannot reach its store (``StoreCollectives(rank R of N): ...``)."""
-    return CollectiveError(f"StoreCollectives(rank {rank} of {world_size}): {detail}")
+    cls = StoreUnreachableError if detail.startswith(UNREACHABLE) else CollectiveError
+    return cls(f"StoreCollectives(rank {rank} of {world_size}): {detail}")
 
 
 def key_reused_error(op: str, key: str) -> KeyReusedError:
