@@ -477,8 +477,9 @@ def unreachable(exc: BaseException, store: dist.Store, rank: int, world_size: in
 
 def abort_unreachable(exc: BaseException, store: dist.Store) -> BaseException:
     """``abort()`` could not reach the store: a lost connection or a server that is gone
-    becomes one line naming the server, ``abort: store unreachable: ...`` (a CollectiveError,
-    so a DistStoreError); anything else stays as it is. Both twins raise this."""
+    becomes one line naming the server, ``abort: store unreachable: ...`` (a
+    StoreUnreachableError: a DistStoreError and a DistNetworkError); anything else stays as it
+    is. Both twins raise this."""
     if isinstance(exc, Exception) and connection_lost(exc):
         return StoreUnreachableError(f"abort: store unreachable: {lost_text(server_of(store), one_line(str(exc)))}")
     return exc
