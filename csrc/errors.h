@@ -10,6 +10,10 @@
 
 namespace torch_ctrl {
 
+// How every store-unreachable detail starts: torch_ctrl/errors.py's UNREACHABLE, from which
+// the Python error's class (StoreUnreachableError) follows.
+inline const std::string kUnreachable = "store unreachable: ";
+
 struct CollectiveError : std::runtime_error {
   CollectiveError(std::string op, std::string label, std::string detail)
       : std::runtime_error(op + ": " + detail), op(std::move(op)), label(std::move(label)), detail(std::move(detail)) {}

@@ -304,7 +304,7 @@ std::unique_ptr<Lane> StoreCollectives::open_lane(const Op& op) {
           {},
           "no new connection to the store opened in the time left (" + error_text(exc) + ")");
     }
-    throw CollectiveError(op.name, op.label, "store unreachable: " + error_text(exc));
+    throw CollectiveError(op.name, op.label, kUnreachable + error_text(exc));
   }
 }
 
@@ -663,7 +663,7 @@ void StoreCollectives::failure(const Op& op, const std::exception& exc) {
   }
   std::string text = error_text(exc);
   if (connection_lost(exc)) {
-    throw CollectiveError(op.name, op.label, "store unreachable: " + lost_text(lanes_->server(), text));
+    throw CollectiveError(op.name, op.label, kUnreachable + lost_text(lanes_->server(), text));
   }
   bool timed_out = op.left() <= 0.01 || lower(text).find("timeout") != std::string::npos;
   if (!timed_out) {

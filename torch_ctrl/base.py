@@ -18,7 +18,7 @@ from typing import NoReturn, Union
 
 import torch.distributed as dist
 
-from .errors import CollectiveAbortedError, StoreUnreachableError, init_error, one_line
+from .errors import UNREACHABLE, CollectiveAbortedError, StoreUnreachableError, init_error, one_line
 from .lanes import BASIC, base_store, check_server, connection_lost, lost_text, python_methods, server_of
 
 Data = Union[bytes, bytearray, memoryview, str]
@@ -462,7 +462,7 @@ def check_reachable(store: dist.Store, rank: int, world_size: int) -> None:
     try:
         check_server(store)
     except dist.DistNetworkError as exc:
-        raise init_error(rank, world_size, f"store unreachable: {exc}") from None
+        raise init_error(rank, world_size, f"{UNREACHABLE}{exc}") from None
 
 
 def unreachable(exc: BaseException, store: dist.Store, rank: int, world_size: int) -> BaseException:
@@ -471,7 +471,7 @@ def unreachable(exc: BaseException, store: dist.Store, rank: int, world_size: in
     stays as it is."""
     if isinstance(exc, Exception) and connection_lost(exc):
         text = lost_text(server_of(store), one_line(str(exc)))
-        return init_error(rank, world_size, f"store unreachable: {text}")
+        return init_error(rank, world_size, f"{UNREACHABLE}{text}")
     return exc
 
 
@@ -481,7 +481,7 @@ def abort_unreachable(exc: BaseException, store: dist.Store) -> BaseException:
     StoreUnreachableError: a DistStoreError and a DistNetworkError); anything else stays as it
     is. Both twins raise this."""
     if isinstance(exc, Exception) and connection_lost(exc):
-        return StoreUnreachableError(f"abort: store unreachable: {lost_text(server_of(store), one_line(str(exc)))}")
+        return StoreUnreachableError(f"abort: {UNREACHABLE}{lost_text(server_of(store), one_line(str(exc)))}")
     return exc
 
 

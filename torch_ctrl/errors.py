@@ -43,8 +43,13 @@ class StoreUnreachableError(CollectiveError, getattr(dist, "DistNetworkError", d
     """
 
 
-# How every store-unreachable detail starts (both implementations build their errors here).
+# How every store-unreachable detail starts; the C++ twin's kUnreachable (csrc/errors.h) is
+# the same text. Both implementations build their errors here, and the class follows from it.
 UNREACHABLE = "store unreachable: "
+
+
+def _error_class(detail: str) -> type[CollectiveError]:
+    return StoreUnreachableError if detail.startswith(UNREACHABLE) else CollectiveError
 
 
 class CollectiveTimeoutError(CollectiveError):
@@ -168,14 +173,12 @@ def aborted_error(op: str, key: str, rank: int, reason: str) -> CollectiveAborte
 
 def collective_error(op: str, key: str, detail: str) -> CollectiveError:
     """Build the one-line error of ``op`` failing for another reason (store error, bad data)."""
-    cls = StoreUnreachableError if detail.startswith(UNREACHABLE) else CollectiveError
-    return cls(f"{op} {key!r}: {detail}")
+    return _error_class(detail)(f"{op} {key!r}: {detail}")
 
 
 def init_error(rank: int, world_size: int, detail: str) -> CollectiveError:
     """A new instance that cannot reach its store (``StoreCollectives(rank R of N): ...``)."""
-    cls = StoreUnreachableError if detail.startswith(UNREACHABLE) else CollectiveError
-    return cls(f"StoreCollectives(rank {rank} of {world_size}): {detail}")
+    return _error_class(detail)(f"StoreCollectives(rank {rank} of {world_size}): {detail}")
 
 
 def key_reused_error(op: str, key: str) -> KeyReusedError:

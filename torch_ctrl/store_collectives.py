@@ -40,6 +40,7 @@ from .base import (
     unreachable,
 )
 from .errors import (
+    UNREACHABLE,
     CollectiveError,
     aborted_error,
     collective_error,
@@ -348,7 +349,7 @@ class PyStoreCollectives(ControlCollectives):
                 # ran out of time, which is what it reports.
                 detail = f"no new connection to the store opened in the time left ({text})"
                 raise timeout_error(op.name, op.label, op.seconds, self._world, detail=detail) from None
-            raise collective_error(op.name, op.label, f"store unreachable: {text}") from None
+            raise collective_error(op.name, op.label, f"{UNREACHABLE}{text}") from None
 
     def _sum_counted(self, op: _Op, value: int) -> int:
         """all_sum on the generic path: O(1) store work per rank. Add to one running total,
@@ -605,7 +606,7 @@ class PyStoreCollectives(ControlCollectives):
             # As the C++ twin reads it (through torch's binding: "ValueError: bad value").
             text = f"{type(exc).__name__}: {text}"
         if connection_lost(exc):
-            return collective_error(op.name, op.label, f"store unreachable: {lost_text(self._lanes.server, text)}")
+            return collective_error(op.name, op.label, UNREACHABLE + lost_text(self._lanes.server, text))
         if time.monotonic() < op.deadline - 0.01 and "timeout" not in text.lower():
             return collective_error(op.name, op.label, f"store error: {text}")
         if op.name.endswith("_send"):  # a send waits for nobody: nothing to count or name

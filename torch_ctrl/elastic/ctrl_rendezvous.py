@@ -475,8 +475,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         except _errors().RendezvousError as exc:
             # A store that is gone took the run with it: its host's agent finished first (a
             # failed node's agent often outlives the host it notified). Nothing is left to close.
-            gone = " is gone: " in str(exc)
-            level = logging.INFO if gone else logging.WARNING
+            level = logging.INFO if _GONE in str(exc) else logging.WARNING
             log.log(level, "torch_ctrl: the ctrl rendezvous '%s' could not be closed: %s", self.config.run_id, exc)
             return False
         finally:
@@ -836,6 +835,9 @@ def _is_timeout(exc: Exception) -> bool:
     return isinstance(exc, TimeoutError) or "timeout" in text or "timed out" in text
 
 
+# How a lost store's error says its server is gone (shutdown() reads it back: nothing to close).
+_GONE = " is gone: "
+
 # What torch's TCPStore client says when its server is gone (closed, reset, refused, unreachable).
 _LOST = ("reset by peer", "broken pipe", "got 0 bytes", "refused", "likely closed", "unreachable")
 
@@ -856,7 +858,7 @@ def _connection_error(exc: Exception, run_id: str, address: tuple[str, int] | No
         host, port = address
         what = f"the rendezvous store at {f'[{host}]' if ':' in host else host}:{port}"
         if any(s in cause.lower() for s in _LOST) and await_server(host, port, 0.5) is not None:
-            what += f" is gone: the torchrun agent that hosts it, on {host}, exited or cannot be reached"
+            what += f"{_GONE}the torchrun agent that hosts it, on {host}, exited or cannot be reached"
             cause = f"({cause})"
         elif any(s in cause.lower() for s in _LOST):
             # Its server still accepts connections: it dropped this one, as TCPStore's server
