@@ -136,6 +136,18 @@ def test_last_call_admits_what_arrived_after_min_nodes() -> None:
     assert max(c.elapsed for c in calls) < 6
 
 
+def test_last_call_ends_on_time_with_the_default_keep_alive() -> None:
+    # The node that starts the last call keeps its time: the round does not wait for the
+    # leader's next keep-alive wake (5 s by default) once the last call is over.
+    job = Job(2, 3, last_call_timeout=1.0, keep_alive_interval=5.0, keep_alive_max_attempt=3)
+    nodes = [job.node() for _ in range(2)]
+    calls = [Call(h.next_rendezvous) for h in nodes]
+    infos = [c.result() for c in calls]
+    assert {i.world_size for i in infos} == {2}
+    assert min(c.elapsed for c in calls) >= 0.9
+    assert max(c.elapsed for c in calls) < 3.0, [c.elapsed for c in calls]
+
+
 def test_join_timeout_names_who_joined() -> None:
     job = Job(3, 4, join_timeout=1.5)
     calls = [Call(job.node().next_rendezvous) for _ in range(2)]

@@ -554,6 +554,9 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         cfg = self.config
         key = self._k(rnd, f"rank/{slot}")
         due = self._maybe_seal(rnd, v, prev_size, lead=slot == 1)
+        # A node that started the last call keeps its time (as the leader does): it looks again
+        # when the last call ends, not at its next keep-alive wake.
+        keeper = due is not None
         self._lead_check = time.monotonic() + cfg.dead_after
         while True:
             now = time.monotonic()
@@ -568,7 +571,8 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             if self.is_closed():
                 raise _closed_error(f"ctrl rendezvous '{cfg.run_id}' is closed", spare)
             lead = self._leader(rnd, slot)
-            due = self._maybe_seal(rnd, None, prev_size, lead=lead) if lead else None
+            due = self._maybe_seal(rnd, None, prev_size, lead=lead, keeper=keeper) if lead or keeper else None
+            keeper = keeper or (due is not None)
             if not spare and time.monotonic() >= deadline:
                 return self._time_out(rnd, slot, prev_size, spare)
 
@@ -582,8 +586,9 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         return int(rank), int(world)
 
     # ---------------------------------------------------------------- sealing
-    def _maybe_seal(self, rnd: int, v: int | None, prev_size: int, lead: bool) -> float | None:
-        """Seal round ``rnd`` if it is complete; returns when to look again (last call), if known.
+    def _maybe_seal(self, rnd: int, v: int | None, prev_size: int, lead: bool, keeper: bool = False) -> float | None:
+        """Seal round ``rnd`` if it is complete; returns when to look again (last call), if known
+        to this node: the leader, and the node that started the last call (``keeper`` once it did).
 
         Complete: round ``rnd - 1`` is released (each of its members re-joined or is dead) and
         either ``max_nodes`` live nodes arrived, or ``min_nodes`` did and the last call ran out.
@@ -605,7 +610,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         # keep time (everyone else just waits for its rank), so expiry costs O(1) sealers.
         mine = f"{time.time():.3f}"
         started = self._call(self._store.compare_set, self._k(rnd, "last_call"), "", mine).decode()
-        if started != mine and not lead:
+        if started != mine and not (lead or keeper):
             return None
         left = float(started) + cfg.last_call_timeout - time.time()
         if left > 0:
