@@ -170,3 +170,20 @@ def test_rank_threads_make_and_free_their_instances_in_the_turn(monkeypatch: pyt
         t.join()
     assert sorted(results) == list(range(world)) and all(len(v) == 3 and not v[0][2] for v in results.values())
     assert sorted(seen) == [("freed", True)] * world + [("made", True)] * world, seen
+
+
+def test_rendezvous_bench_claims_only_the_targets_it_measured(tmp_path: Path) -> None:
+    # A run without N=512 and 2048 (or without the ctrl backend) measures no target: it must not say "met".
+    env = {**os.environ, "RES_OPTIONS": "timeout:1 attempts:1"}
+    cmd = [sys.executable, "-m", "torch_ctrl", "bench", "rendezvous", "--nodes", "8", "--backends", "ctrl"]
+    done = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=110, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    verdict = (tmp_path / "rendezvous.md").read_text().splitlines()[-1]
+    assert verdict.endswith("not measured (no ctrl run at N=512 or 2048)"), verdict
+    from torch_ctrl.bench_rendezvous import target_verdict
+
+    ctrl = [dict(backend="ctrl", n=512, seconds=0.3)]
+    assert target_verdict(ctrl, []) == "met at N=512; not measured at N=2048"
+    assert target_verdict(ctrl + [dict(backend="ctrl", n=2048, seconds=1.3)], []) == "met at N=512, 2048"
+    assert target_verdict([dict(backend="c10d", n=512, seconds=None)], []).startswith("not measured")
+    assert target_verdict(ctrl, ["N=2048: None s > 10.0 s"]) == "missed: N=2048: None s > 10.0 s"

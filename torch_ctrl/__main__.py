@@ -19,7 +19,7 @@ COMMANDS = {
     "inspect": "show the collectives in flight, heartbeats, aborts and torchrun rounds of a live store (read-only)",
     "info": "torch version, implementation in use (C++ or Python, and why), store capabilities",
     "demo": "run a torchrun job on 127.0.0.1 that runs and checks every collective",
-    "bench": "measure latency and store traffic of every collective next to torch's classes",
+    "bench": "latency and store traffic of every collective next to torch's; 'bench rendezvous': the rendezvous",
 }
 PROG = "torch-ctrl"
 
