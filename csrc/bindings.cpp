@@ -133,6 +133,21 @@ void translate(std::exception_ptr p) {
   throw py::error_already_set();
 }
 
+// Instance `s` raises an abort error: its group's other instances in this process learn of
+// the abort now (base.spread_native), so their next op fails at once rather than at a poll.
+// The caller's own error is what matters: a failure here is not raised over it, but a pending
+// Ctrl-C that surfaces here (KeyboardInterrupt, not an Exception) is, as it would be anyway.
+void spread(StoreCollectives& s) {
+  try {
+    arguments::base().attr("spread_native")(py::cast(&s));
+  } catch (py::error_already_set& e) {
+    if (!e.matches(PyExc_Exception)) {
+      throw;
+    }
+    e.discard_as_unraisable("torch_ctrl: telling this process's instances of the group of its abort");
+  }
+}
+
 // f() (a collective, which releases the GIL itself), its timeout and abort errors named.
 // Only the error path runs Python code: a call that succeeds costs nothing here.
 template <typename F>
@@ -142,6 +157,7 @@ auto named(StoreCollectives& s, F&& f) -> decltype(f()) {
   } catch (const torch_ctrl::CollectiveTimeout& e) {
     raise_named(s, timeout_exception(e));
   } catch (const torch_ctrl::CollectiveAborted& e) {
+    spread(s);
     raise_named(s, aborted_exception(e));
   }
 }
@@ -324,6 +340,17 @@ PYBIND11_MODULE(_C, m) {
            [](StoreCollectives& s, const std::string& reason) {
              check_owner(s, "abort");
              nogil([&] { s.abort(reason); });
+           })
+      .def("_notice",
+           [](StoreCollectives& s) -> py::object {
+             std::optional<std::string> notice = nogil([&] { return s.notice(); });
+             return notice ? py::object(py::bytes(*notice)) : py::object(py::none());
+           })
+      .def("_learn_abort",
+           [](StoreCollectives& s, const std::string& notice) {
+             if (getpid() == s.owner_pid()) {  // a forked child's copy: the parent's thread and locks
+               nogil([&] { s.learn_abort(notice); });
+             }
            })
       .def(
           "barrier",

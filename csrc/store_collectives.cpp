@@ -129,6 +129,14 @@ void StoreCollectives::abort(const std::string& reason) {
   watcher_->aborted(stored);
 }
 
+std::optional<std::string> StoreCollectives::notice() {
+  return watcher_->notice();
+}
+
+void StoreCollectives::learn_abort(const std::string& notice) {
+  watcher_->aborted(notice);
+}
+
 Wake StoreCollectives::wake_set(Keys keys) {
   // Shares the caller's keys (no copy per blocked read: an all_gather blocks on N of them).
   return [keys = std::move(keys)](Lane& lane, const std::string& notice) {

@@ -69,6 +69,11 @@ class StoreCollectives {
   int64_t all_sum(const Key& key, int64_t data, double timeout);
   void close(double flush_timeout);
   void abort(const std::string& reason);
+  // The group's abort notice ("{rank}:{reason}") once this instance knows of it.
+  std::optional<std::string> notice();
+  // Another instance of this group in this process learned of the group's abort: fail every
+  // later op at once and wake blocked callers (twin of PyStoreCollectives._learn_abort).
+  void learn_abort(const std::string& notice);
 
   int rank() const { return rank_; }
   int world_size() const { return world_; }

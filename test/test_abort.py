@@ -86,6 +86,66 @@ def test_later_collective_on_another_instance_fails_at_once(impl: str) -> None:
     other.close()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["tcp", "prefix", "hash"])
+def test_an_abort_reaches_the_groups_other_instances_in_this_process_at_once(impl: str, kind: str) -> None:
+    # Two instances per rank, made before the abort (a library's and the application's, or
+    # ranks as threads): an abort on one reaches the other at once, without an abort poll.
+    stores = Stores(kind)
+    first = [make(impl, stores.client(r), r, WORLD) for r in range(WORLD)]
+    second = [make(impl, stores.client(r), r, WORLD) for r in range(WORLD)]
+    other_world = [make(impl, stores.client(r), r, WORLD - 1) for r in range(WORLD - 1)]
+    blocked: list[object] = []
+    entered = threading.Event()
+
+    def block() -> None:
+        entered.set()
+        try:
+            second[0].barrier("blocked", 300)
+        except CollectiveAbortedError as exc:
+            blocked.append((time.monotonic(), exc))
+
+    waiter = threading.Thread(target=block, daemon=True)
+    waiter.start()
+    entered.wait()
+    first[3].abort("disk full")
+    aborted = time.monotonic()
+    for coll in second[1:]:
+        start = time.monotonic()
+        with pytest.raises(CollectiveAbortedError, match="group aborted by rank 3: disk full"):
+            coll.all_gather("later", b"x", 300)
+        assert time.monotonic() - start < 0.3  # no store wait: an abort poll alone is 0.7 s
+    waiter.join(10)
+    took, exc = blocked[0][0] - aborted, blocked[0][1]  # type: ignore[index]
+    assert took < 0.5 and exc.rank == 3, took  # woken at once, not at its poll 0.7 s in
+    # The group of another world size on the same store is not aborted.
+    assert run_ranks(WORLD - 1, lambda r: other_world[r].all_gather("fine", b"y", 30)) == [[b"y"] * 3] * 3
+    for coll in first + second + other_world:
+        coll.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_abort_an_instance_learns_of_reaches_its_groups_other_instances(impl: str) -> None:
+    # The abort comes from elsewhere (here a client that names the server "localhost", which
+    # this process cannot tell is the same group): the instance blocked in an op learns of it
+    # at its poll, and from then on the idle instance of the same group fails at once too.
+    stores = Stores("tcp")
+    blocked = make(impl, stores.client(1), 1, WORLD)
+    idle = make(impl, stores.client(1), 1, WORLD)
+    elsewhere = make(impl, dist.TCPStore("localhost", stores.port, is_master=False), 2, WORLD)
+    call = threading.Thread(target=lambda: pytest.raises(CollectiveAbortedError, blocked.barrier, "b", 300))
+    call.start()
+    elsewhere.abort("lost a node")
+    call.join(10)
+    assert not call.is_alive()
+    start = time.monotonic()
+    with pytest.raises(CollectiveAbortedError, match="group aborted by rank 2: lost a node"):
+        idle.broadcast_recv("later", 300)
+    assert time.monotonic() - start < 0.3
+    for coll in (blocked, idle, elsewhere):
+        coll.close()
+
+
 def test_abort_on_error(impl: str) -> None:
     stores = Stores("hash")
     coll = make(impl, stores.client(0), 0, 2)

@@ -18,6 +18,7 @@ from typing import NoReturn, Union
 
 import torch.distributed as dist
 
+from . import lanes
 from .errors import UNREACHABLE, CollectiveAbortedError, StoreUnreachableError, init_error, one_line
 from .lanes import BASIC, base_store, check_server, connection_lost, lost_text, python_methods, server_of
 
@@ -319,7 +320,8 @@ class ControlCollectives(abc.ABC):
 
 
 # Instances of this process not closed yet: an exit on an uncaught exception aborts their
-# groups (abort_open_groups_on_crash). Both implementations add and discard themselves.
+# groups (abort_open_groups_on_crash), and an abort one of them learns of reaches the others of
+# its group (spread_abort). Both implementations add and discard themselves.
 _OPEN: weakref.WeakSet[ControlCollectives] = weakref.WeakSet()
 
 
@@ -331,6 +333,62 @@ def opened(coll: ControlCollectives) -> None:
 def closed(coll: ControlCollectives) -> None:
     """``coll`` was closed: an exit afterwards, even on an exception, is not its group's failure."""
     _OPEN.discard(coll)
+
+
+def _snapshot(instances: weakref.WeakSet[ControlCollectives]) -> list[ControlCollectives]:
+    """The instances in ``instances`` now. No lock: another thread may add one while this
+    iterates, or a collection may close one (both raise RuntimeError, and this reads again);
+    a lock held here could be wanted again by a ``__del__`` that a collection runs."""
+    while True:
+        try:
+            return list(instances)
+        except RuntimeError:
+            continue
+
+
+def group_of(store: dist.Store, world_size: int, prefix: str | None = None) -> tuple | None:
+    """What names an instance's group within this process, without store traffic: the storage
+    under any PrefixStores (a TCPStore's server address, any other store by identity: two
+    handles of one FileStore file count as two), the PrefixStores' key prefix, and the world
+    size. ``None`` when the prefix cannot be told (PrefixStores and no extension to read it,
+    unless the caller learned it: ``prefix``); such an instance learns of aborts by itself."""
+    base = base_store(store)
+    if store is base:
+        prefix = ""
+    elif not prefix:
+        if not lanes._reads_prefixes():  # the extension reads a PrefixStore's prefix; Python cannot
+            return None
+        from ._C import _base_key  # type: ignore[attr-defined]
+
+        prefix = str(_base_key(store, "")[1])
+    where = ("tcp", base.host, base.port) if isinstance(base, dist.TCPStore) else base
+    return where, prefix, world_size
+
+
+def spread_abort(coll: ControlCollectives, notice: bytes | None) -> None:
+    """``coll`` knows that its group is aborted (``notice``: ``b"{rank}:{reason}"``): tell the
+    other open instances of the group in this process, so that their next op fails at once and
+    their blocked callers wake, rather than at their next poll. Once per instance; no store
+    traffic (each instance's ``_group_id`` is from :func:`group_of`)."""
+    group = getattr(coll, "_group_id", None)
+    if notice is None or group is None or getattr(coll, "_spread", False):
+        return
+    coll._spread = True  # type: ignore[attr-defined]
+    pid = os.getpid()
+    members = _snapshot(_OPEN)
+    for other in members:
+        if other is not coll and getattr(other, "_owner", None) == pid and getattr(other, "_group_id", None) == group:
+            other._learn_abort(notice)  # type: ignore[attr-defined]
+
+
+def spread_native(native: object) -> None:
+    """:func:`spread_abort` for the C++ object ``native`` (called by the extension as an op of
+    it raises an abort error)."""
+    members = _snapshot(_OPEN)
+    for coll in members:
+        if getattr(coll, "_native", None) is native:
+            spread_abort(coll, native._notice())  # type: ignore[attr-defined]
+            return
 
 
 def fails(exc: BaseException) -> bool:
@@ -352,7 +410,7 @@ def abort_open_groups_on_crash() -> None:
         return  # a normal exit, or an interactive session (an earlier error there ended nothing)
     if not isinstance(exc, BaseException) or not fails(exc) or isinstance(exc, CollectiveAbortedError):
         return
-    for coll in list(_OPEN):
+    for coll in _snapshot(_OPEN):
         if getattr(coll, "_owner", os.getpid()) == os.getpid() and type(coll).abort is not ControlCollectives.abort:
             _abort_for(coll, exc, ABORT_ON_ERROR_TIMEOUT)
 

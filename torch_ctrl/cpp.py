@@ -30,8 +30,10 @@ from .base import (
     check_reachable,
     check_reason,
     closed,
+    group_of,
     not_picklable,
     opened,
+    spread_abort,
     unreachable,
 )
 from .errors import forked_error
@@ -90,8 +92,10 @@ class CppStoreCollectives(ControlCollectives):
             self._native = _C.StoreCollectives(store, rank, world_size, heartbeat, cas, deletes)
         except Exception as exc:  # the C++ object closes its watcher as it unwinds
             raise unreachable(exc, store, rank, world_size) from None
+        self._group_id = group_of(store, world_size)
         _LIVE.add(self)
         opened(self)
+        spread_abort(self, self._native._notice())  # an abort read at construction
         self._shortcut()
 
     @property
@@ -177,6 +181,12 @@ class CppStoreCollectives(ControlCollectives):
             self._impl.abort(reason)
         except Exception as exc:
             raise abort_unreachable(exc, self._store) from None
+        spread_abort(self, self._native._notice())
+
+    def _learn_abort(self, notice: bytes) -> None:
+        """Another instance of this group in this process learned of the group's abort (see
+        base.spread_abort): fail every later op at once and wake blocked callers."""
+        self._native._learn_abort(notice)
 
     def close(self, flush_timeout: float = 5.0) -> None:
         """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections;

@@ -31,8 +31,10 @@ from .base import (
     check_reachable,
     check_reason,
     closed,
+    group_of,
     not_picklable,
     opened,
+    spread_abort,
     to_bytes,
     to_bytes_list,
     to_int64,
@@ -136,6 +138,7 @@ class PyStoreCollectives(ControlCollectives):
             self._lanes = Lanes(store)
         except Exception as exc:
             raise unreachable(exc, store, self._rank, self._world) from None
+        self._group_id = group_of(store, self._world, self._lanes.prefix)
         self._lock = threading.Lock()
         self._seq = 0
         self._used: set[str] = set()
@@ -152,6 +155,7 @@ class PyStoreCollectives(ControlCollectives):
         if notice is not None:
             self._watcher.aborted(notice)
         opened(self)
+        spread_abort(self, notice)
 
     # ------------------------------------------------------------------ public
     @property
@@ -282,6 +286,13 @@ class PyStoreCollectives(ControlCollectives):
         except Exception as exc:
             raise abort_unreachable(exc, self._store) from None
         self._watcher.aborted(notice)
+        spread_abort(self, notice)
+
+    def _learn_abort(self, notice: bytes) -> None:
+        """Another instance of this group in this process learned of the group's abort (see
+        base.spread_abort): fail every later op at once and wake blocked callers."""
+        if os.getpid() == self._owner:  # a forked child's copy: the parent's thread and locks
+            self._watcher.aborted(notice)
 
     def close(self, flush_timeout: float = 5.0) -> None:
         """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections;
@@ -588,6 +599,7 @@ class PyStoreCollectives(ControlCollectives):
     def _aborted(self, op: _Op, notice: bytes) -> Exception:
         """The CollectiveAbortedError for ``notice`` (``b"{rank}:{reason}"``); remembers the abort."""
         self._watcher.aborted(notice)
+        spread_abort(self, notice)
         rank, reason = K.parse_notice(notice)
         return aborted_error(op.name, op.label, rank, reason)
 
