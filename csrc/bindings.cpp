@@ -313,6 +313,8 @@ PYBIND11_MODULE(_C, m) {
         "The process exits: watchers drain their cleanup and stop, even with callers blocked.");
   m.def("_op_prefix", &torch_ctrl::keys::op_prefix, "Key prefix of one collective (for layout tests).");
   m.def("_base_key", &torch_ctrl::base_key, "The store under any PrefixStores, and the key as it sees it.");
+  m.def("_connected_to_itself", &torch_ctrl::connected_to_itself,
+        "Whether the TCP connection on a socket's file descriptor is connected to itself.");
   m.def("_attempt", &torch_ctrl::attempt, py::call_guard<py::gil_scoped_release>(),
         "One plain connection to each address of host:port: '' when one accepts, else the error.");
 

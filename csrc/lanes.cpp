@@ -157,6 +157,9 @@ int connects(const std::string& host, int port, double seconds) {
         }
       }
     }
+    if (error == 0 && connected_to_itself(fd)) {
+      error = ECONNREFUSED;
+    }
     ::close(fd);
     if (error == 0) {
       freeaddrinfo(found);
@@ -305,6 +308,22 @@ bool connection_lost(const std::exception& exc) {
     }
   }
   return false;
+}
+
+// Twin of lanes._self_connected: whether the connection on `fd` is a TCP self-connect. With
+// nothing listening on a local port of the ephemeral range, a connect to it now and then gets
+// that very port as its source, and the kernel connects the socket to itself (a simultaneous
+// open): that is a refusal, not a server.
+bool connected_to_itself(int fd) {
+  sockaddr_storage mine{};
+  sockaddr_storage peer{};
+  socklen_t mine_len = sizeof(mine);
+  socklen_t peer_len = sizeof(peer);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&mine), &mine_len) != 0 ||
+      getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0) {
+    return false;
+  }
+  return mine_len == peer_len && std::memcmp(&mine, &peer, mine_len) == 0;
 }
 
 std::string attempt(const std::string& host, int port, double seconds) {

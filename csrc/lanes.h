@@ -25,6 +25,8 @@ std::pair<c10::intrusive_ptr<c10d::Store>, std::string> base_key(
 // One plain TCP connection to each address of host:port (twin of lanes._attempt): "" when one
 // accepts, else the error in the words of the Python twin's exception.
 std::string attempt(const std::string& host, int port, double seconds);
+// Whether the TCP connection on `fd` is connected to itself (twin of lanes._self_connected).
+bool connected_to_itself(int fd);
 
 // torch's trampoline for Python-written stores does not forward delete_key to
 // Python; the bindings install this hook to call the Python method directly.

@@ -264,6 +264,30 @@ class _TurnHeld:
         self.thread.join(10)
 
 
+def test_a_connection_to_itself_is_no_server() -> None:
+    """With nothing listening on a local port of the ephemeral range, a plain connect to it
+    now and then gets that very port as its source and the kernel connects the socket to
+    itself: both twins' plain connect take that for a refusal (else a watcher probing a gone
+    server would hand it to torch's connect loop, which logs a C++ trace per attempt)."""
+    import socket
+
+    from torch_ctrl import lanes
+
+    itself = socket.socket()
+    itself.bind((HOST, 0))
+    itself.connect(itself.getsockname())  # what such a connect amounts to
+    listener = socket.socket()
+    listener.bind((HOST, 0))
+    listener.listen()
+    other = socket.create_connection(listener.getsockname())
+    with itself, listener, other:
+        assert lanes._self_connected(itself) and not lanes._self_connected(other)
+        if torch_ctrl.backend() == "cpp":
+            from torch_ctrl import _C
+
+            assert _C._connected_to_itself(itself.fileno()) and not _C._connected_to_itself(other.fileno())
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(torch_ctrl.backend() != "cpp", reason="the C++ extension did not load")
 def test_twins_word_a_connection_that_fails_alike() -> None:

@@ -344,6 +344,17 @@ def _unreachable(host: str, port: int, exc: OSError) -> dist.DistNetworkError:
     return dist.DistNetworkError(f"the store's server {host}:{port} is unreachable: {exc}")
 
 
+def _self_connected(sock: socket.socket) -> bool:
+    """Whether ``sock`` is connected to itself: with nothing listening on a local port of the
+    ephemeral range, a connect to it now and then gets that very port as its source, and the
+    kernel connects the socket to itself (a simultaneous open). That is a refusal, not a
+    server. (csrc/lanes.cpp connected_to_itself() is its twin.)"""
+    try:
+        return bool(sock.getsockname() == sock.getpeername())
+    except OSError:
+        return False
+
+
 def _attempt(host: str, port: int, seconds: float) -> OSError | None:
     """One plain TCP connection to each address of ``host:port`` in turn, each closed at once
     (the server only sees a client that left): None when one accepts, else an error. The error
@@ -361,7 +372,9 @@ def _attempt(host: str, port: int, seconds: float) -> OSError | None:
             sock.settimeout(max(seconds, _TICK))
             try:
                 sock.connect(address)
-                return None
+                if not _self_connected(sock):
+                    return None
+                refused = ConnectionRefusedError(errno.ECONNREFUSED, os.strerror(errno.ECONNREFUSED))
             except ConnectionRefusedError as exc:
                 refused = exc
             except (TimeoutError, socket.timeout):  # distinct classes before Python 3.10
