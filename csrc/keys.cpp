@@ -256,7 +256,7 @@ int64_t parse_counter(const std::string& value) {
   return *n;
 }
 
-std::optional<int64_t> parse_total(const std::string& value) {
+std::optional<int64_t> parse_total(std::string_view value) {
   return int64_of(value.data(), value.data() + value.size());
 }
 

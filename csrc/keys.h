@@ -118,7 +118,7 @@ std::set<int> parse_names(const std::string& log, int world_size = -1);
 // `names` (a store's listKeys, relative to the group's namespace): "torch_ctrl/3/w{M}/{token}/...",
 // M a decimal in 1 <= M < 2^31. Other names are ignored (the store may hold anything).
 std::set<int> other_world_sizes(const std::vector<std::string>& names, int world_size, const std::string& token);
-// A published all_sum total: a decimal int64; nullopt otherwise.
-std::optional<int64_t> parse_total(const std::string& value);
+// A published all_sum total, or an all_sum log entry: a decimal int64; nullopt otherwise.
+std::optional<int64_t> parse_total(std::string_view value);
 
 } // namespace torch_ctrl::keys

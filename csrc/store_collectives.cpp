@@ -275,13 +275,12 @@ int64_t StoreCollectives::all_sum(const Key& key, int64_t data, double timeout) 
   auto gathered = exchange(op, std::to_string(data));
   std::vector<int64_t> values;
   values.reserve(world_);
-  for (auto v : gathered.values) {
-    int64_t value = 0;
-    auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), value);
-    if (ec != std::errc() || ptr != v.data() + v.size()) {
+  for (const auto& v : gathered.values) {
+    auto value = K::parse_total(v);  // a decimal int64, as keys.py reads it (twin: all_sum)
+    if (!value) {
       throw CollectiveError(op.name, op.label, op.key(K::kLog) + ": " + K::kBadValue);
     }
-    values.push_back(value);
+    values.push_back(*value);
   }
   return wrap_sum(values);
 }

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torch_ctrl
+from torch_ctrl import capabilities
 from torch_ctrl import keys as K
 from torch_ctrl.errors import CollectiveError
 
@@ -249,3 +250,30 @@ def test_barrier_after_another_groups_release_is_a_collision_error(impl: str) ->
     coll.close()
     text = str(info.value)
     assert "3 arrivals in a group of 2" in text and "another group uses the same store" in text, text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not capabilities.tcpstore_path(False), reason="this torch's TCPStore has no server-side barrier")
+@pytest.mark.parametrize("forged", [b"+7", b" 7", b"1_0", b"99999999999999999999", b"0x7"])
+def test_a_forged_sum_entry_fails_both_twins_alike(forged: bytes) -> None:
+    """An all_sum log entry Python's int() would take (or wrap) but the C++ twin would not:
+    every rank of a mixed group raises the same one-line error naming the log, none returns."""
+    stores = Stores("tcp")
+    raw = stores.client(9)
+    prefix = K.op_prefix(3, "forged", -1)
+    raw.append(f"{prefix}/{K.LOG}", K.frame(2, K.TAG_DATA + forged))  # rank 2's entry, forged
+    threading.Thread(target=raw.barrier, args=(f"{prefix}/{K.BARRIER}", 3), daemon=True).start()  # and its arrival
+    impls = ["cpp", "python"] if HAVE_CPP else ["python", "python"]
+
+    def body(rank: int) -> str:
+        coll = make(impls[rank], stores.client(rank), rank, 3)
+        try:
+            return f"returned {coll.all_sum('forged', 1, timeout=20)}"
+        except CollectiveError as exc:
+            return str(exc)
+        finally:
+            coll.close()
+
+    texts = run_ranks(2, body)
+    assert texts[0] == texts[1].replace("rank 1", "rank 0"), texts
+    assert f"{prefix}/{K.LOG}: {K.BAD_VALUE}" in texts[0] and "\n" not in texts[0], texts

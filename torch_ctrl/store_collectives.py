@@ -268,10 +268,12 @@ class PyStoreCollectives(ControlCollectives):
         if not self._lanes.native_barrier:
             return self._sum_counted(op, value)
         entries = self._exchange(op, b"%d" % value)
-        try:
-            return K.wrap_int64(sum(int(v) for v in entries.values()))
-        except ValueError:
-            raise collective_error(op.name, op.label, f"{op.key(K.LOG)}: {K.BAD_VALUE}") from None
+
+        def bad() -> Exception:
+            return collective_error(op.name, op.label, f"{op.key(K.LOG)}: {K.BAD_VALUE}")
+
+        # A decimal int64 each, as the C++ twin reads it (int() would take b"+7", b" 7", b"1_0").
+        return K.wrap_int64(sum(K.parse_total(v, bad) for v in entries.values()))
 
     def abort(self, reason: str = "") -> None:
         """Mark the group (every instance on this store namespace and world size) as failed by
