@@ -170,15 +170,20 @@ void StoreCollectives::barrier(const Key& key, double timeout, bool block) {
     }
     return;
   }
-  int64_t count = lane->add(op.key(K::counter(lane->native_barrier)), 1);
+  int64_t count = 0;
+  try {  // a non-blocking arrival's store errors are the op's one line too, as a send's
+    count = lane->add(op.key(K::counter(lane->native_barrier)), 1);
+    if (!lane->native_barrier && count == world_) {
+      lane->set(op.key(K::kDone), std::string(1, K::kTagData));
+    }
+  } catch (const std::exception& exc) {
+    failure(op, exc);  // the lane is dropped as this unwinds
+  }
   if (lane->native_barrier) {
     if (count == world_ || rank_ == 0) {
       delete_when_full(op);
     }
     return;
-  }
-  if (count == world_) {
-    lane->set(op.key(K::kDone), std::string(1, K::kTagData));
   }
   exit_later(op, world_, {K::kArrive, K::kDone});
 }

@@ -219,6 +219,13 @@ def test_a_server_gone_fails_ops_and_abort_at_once_in_one_line(
         # Python twin shares the chain's one client (torch without clone()).
         if i > 0 and not (impl == "python" and kind == "prefix" and not capabilities.CLONE):
             assert f"{HOST}:{port} is unreachable" in text and "refused" in text, text
+    # A non-blocking arrival (a plain add) fails in the same one line, on a pooled connection
+    # found dead as on a new one refused.
+    for i in range(2):
+        with pytest.raises(torch_ctrl.StoreUnreachableError) as info:
+            colls[1].barrier(f"nb{i}", timeout=20, block=False)
+        text = str(info.value)
+        assert text.startswith(f"barrier 'nb{i}': store unreachable: ") and "\n" not in text, text
     started = time.monotonic()
     with pytest.raises(torch_ctrl.StoreUnreachableError) as info:
         colls[1].abort("gone")

@@ -182,13 +182,16 @@ class PyStoreCollectives(ControlCollectives):
                     self._arrive(op, lane)
                     self._exit_later(op, self._world, [K.ARRIVE, K.DONE])
                 return
-            count = lane.add(op.key(K.counter(lane.native_barrier)), 1)
+            try:  # a non-blocking arrival's store errors are the op's one line too, as a send's
+                count = lane.add(op.key(K.counter(lane.native_barrier)), 1)
+                if not lane.native_barrier and count == self._world:
+                    lane.set(op.key(K.DONE), K.TAG_DATA)
+            except Exception as exc:
+                raise self._failure(op, exc) from None  # the lane is dropped as this leaves
             if lane.native_barrier:
                 if count == self._world or self._rank == 0:
                     self._delete_when_full(op)
                 return
-            if count == self._world:
-                lane.set(op.key(K.DONE), K.TAG_DATA)
             self._exit_later(op, self._world, [K.ARRIVE, K.DONE])
 
     def broadcast_send(
