@@ -25,9 +25,11 @@ def test_heartbeat_interval_out_of_range_is_refused(impl: str, interval: float) 
 
 
 @pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
-def test_negative_heartbeat_names_the_parameter(impl: str) -> None:
-    with pytest.raises(ValueError, match="heartbeat_interval must be >= 0"):
-        make_cls(impl, 0)(dist.HashStore(), 0, 2, heartbeat_interval=-1)
+@pytest.mark.parametrize("interval", [-1, float("nan"), timedelta(seconds=-1)])
+def test_negative_heartbeat_names_the_parameter_and_its_range(impl: str, interval: object) -> None:
+    # The range, not ">= 0": 0 is refused too.
+    with pytest.raises(ValueError, match=r"heartbeat_interval must be between 0.01 and 3600 seconds, got "):
+        make_cls(impl, 0)(dist.HashStore(), 0, 2, heartbeat_interval=interval)
 
 
 @pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])

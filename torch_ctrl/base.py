@@ -563,7 +563,10 @@ def check_heartbeat(heartbeat_interval: object) -> float | None:
     writes, longer ones detect nothing in useful time."""
     if heartbeat_interval is None:
         return None
-    seconds = to_seconds(heartbeat_interval, "heartbeat_interval", clamp=False)
+    try:
+        seconds = to_seconds(heartbeat_interval, "heartbeat_interval", clamp=False)
+    except ValueError:  # negative or NaN: say the range, not just ">= 0" (0 is refused too)
+        seconds = float("nan")
     if not MIN_HEARTBEAT <= seconds <= MAX_HEARTBEAT:
         raise ValueError(
             f"heartbeat_interval must be between {MIN_HEARTBEAT:g} and {MAX_HEARTBEAT:g} seconds, "
