@@ -40,6 +40,9 @@ def test_cli_usage() -> None:
     assert out.returncode == 2 and "usage" in out.stderr and "invalid choice" in out.stderr
     out = _run("-m", "torch_ctrl")
     assert out.returncode == 2 and "inspect" in out.stderr
+    for address in ("127.0.0.1:99999", "127.0.0.1:0", "127.0.0.1", "127.0.0.1:x"):  # bad arguments: 2, not 1
+        out = _run("-m", "torch_ctrl", "inspect", address)
+        assert out.returncode == 2 and "expected HOST:PORT" in out.stderr, (address, out.stderr)
 
 
 def test_help_and_version() -> None:

@@ -747,8 +747,8 @@ def _address(store: dist.Store) -> str:
 def connect(address: str, timeout: float = 5.0) -> dist.TCPStore:
     """A TCPStore client of the server at ``HOST:PORT`` (never a server)."""
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    if not sep or not port.isdigit() or not host or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT (a port from 1 to 65535), got {address!r}")
     # An address nothing listens on fails at once, in one line (torch's connect would retry it
     # for the whole timeout and print C++ stack traces).
     lanes.reach(host.strip("[]"), int(port), timeout)
