@@ -232,7 +232,10 @@ Watcher::Blocked::Blocked(Watcher& w, const std::string& names_key, double timeo
   w_.state_->active_until = now + secs(kLinger);
   w_.start_locked();
   auto first = std::min(due, w_.state_->next_poll);
-  if (w_.state_->sleeping && (!w_.state_->wake_at || *w_.state_->wake_at > first)) {
+  // Already aborted (the notice came after this op's check, from another thread or another
+  // instance of the group): this caller is woken now, not at the watcher's next wake.
+  bool wake_now = w_.state_->notice.has_value();
+  if (w_.state_->sleeping && (wake_now || !w_.state_->wake_at || *w_.state_->wake_at > first)) {
     w_.state_->cv.notify_all();
   }
 }

@@ -258,7 +258,10 @@ class Watcher:
             self._active_until = now + LINGER
             self._start()
             first = min(entry.due, self._next_poll)
-            if self._sleeping and (self._wake_at is None or self._wake_at > first):
+            # Already aborted (the notice came after this op's check, from another thread or
+            # another instance of the group): this caller is woken now, not at the next wake.
+            wake_now = self.notice is not None
+            if self._sleeping and (wake_now or self._wake_at is None or self._wake_at > first):
                 self._cv.notify_all()
         return ident
 
