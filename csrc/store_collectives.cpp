@@ -592,8 +592,17 @@ std::pair<std::string, std::vector<std::string>> StoreCollectives::untag(
     // One chunk per read: a reply of several 4 MiB chunks breaks the connection on some torch
     // releases' TCPStore servers (torch 2.7: "Broken pipe" at 16 MiB).
     std::vector<std::string> parts;
-    for (const auto& name : names) {
-      parts.push_back(lane.multi_get({name}, std::max(op.left(), 1.0)).at(0));
+    try {
+      for (const auto& name : names) {
+        parts.push_back(lane.multi_get({name}, std::max(op.left(), 1.0)).at(0));
+      }
+    } catch (const std::exception& exc) {
+      if (connection_lost(exc) || watcher_->notice()) {
+        failure(op, exc);
+      }
+      // Chunks are written before the value that names them: one that never comes was not
+      // written by torch_ctrl (twin: _untag).
+      throw CollectiveError(op.name, op.label, key + ": " + K::kBadValue);
     }
     return {decode(op, key, [&] { return K::join_chunks(parts); }), names};
   }

@@ -277,3 +277,25 @@ def test_a_forged_sum_entry_fails_both_twins_alike(forged: bytes) -> None:
     texts = run_ranks(2, body)
     assert texts[0] == texts[1].replace("rank 1", "rank 0"), texts
     assert f"{prefix}/{K.LOG}: {K.BAD_VALUE}" in texts[0] and "\n" not in texts[0], texts
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+@pytest.mark.parametrize("kind", ["tcp", "prefix", "hash"])
+@pytest.mark.parametrize("op", ["broadcast_recv", "scatter_recv"])
+def test_a_chunked_value_whose_chunks_never_come_is_one_line_naming_the_key(impl: str, kind: str, op: str) -> None:
+    """A well-formed chunk count (``C3``) with no chunks behind it: torch_ctrl writes chunks
+    before the value that names them, so this was not written by it. The reader waits for the
+    chunks until its deadline, then raises one CollectiveError line naming the key (not torch's
+    own wait-timeout text)."""
+    stores = Stores(kind)
+    coll = make(impl, stores.client(1), 1, 2)
+    field = "d" if op == "broadcast_recv" else "r1"
+    key = f"{K.op_prefix(2, 'nochunks', -1)}/{field}"
+    stores.client(0).set(key, b"C3")
+    with pytest.raises(CollectiveError) as info:
+        getattr(coll, op)("nochunks", timeout=1.5)
+    coll.close()
+    text = str(info.value)
+    assert type(info.value) is CollectiveError and "\n" not in text, text
+    assert text.endswith(f"{key}: {K.BAD_VALUE}"), text
