@@ -48,8 +48,13 @@ def _check_extension() -> type:
         why = info["reason"] if info["status"] not in ("built", "unknown") else "torch_ctrl._C is not built"
         raise ExtensionUnavailable(f"the C++ extension was not built: {why}")
     info = build_info()
-    if info["status"] == "failed":  # an extension left from an earlier build would be stale
+    # The last build did not make the extension, so one found in the tree (an editable
+    # install) is left from an earlier build: stale, or not wanted.
+    if info["status"] in ("failed", "no-torch"):
         raise ExtensionUnavailable(f"the C++ extension was not rebuilt: {info['reason']}")
+    if info["status"] == "disabled":
+        left = "a torch_ctrl._C left from an earlier build is ignored"
+        raise ExtensionUnavailable(f"the package was {info['reason']} ({left})")
     from . import _C  # type: ignore[attr-defined]
 
     built_for = getattr(_C, "_torch_version", "unknown")
@@ -88,10 +93,11 @@ def _choose() -> type:
         raise ImportError(f"TORCH_CTRL_IMPL=cpp but the C++ extension torch_ctrl._C is unusable: {reason}")
     if build_info()["status"] == "disabled":
         return PyStoreCollectives  # a deliberate pure-Python install: nothing to warn about
+    # stacklevel 4: the line that imported torch_ctrl (warnings skips importlib's frames).
     warnings.warn(
-        f"torch_ctrl: using the pure-Python implementation: {reason}; to build the extension: {REBUILD}",
+        f"torch_ctrl: using the pure-Python implementation: {reason}; to build the extension for this torch: {REBUILD}",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
     return PyStoreCollectives
 
