@@ -243,6 +243,64 @@ def test_isolated_build_says_how_to_build_the_extension(tmp_path: Path) -> None:
     assert "circular import" not in warns[0]
 
 
+@pytest.mark.parametrize(
+    ("status", "reason", "warns"),
+    [
+        ("disabled", "built with TORCH_CTRL_BUILD_EXT=0", False),
+        ("no-torch", "torch was not importable at build time (pip's build isolation?)", True),
+    ],
+)
+def test_extension_left_from_an_earlier_build_is_not_used(
+    tmp_path: Path, status: str, reason: str, warns: bool
+) -> None:
+    """A reinstall that did not build the extension (``TORCH_CTRL_BUILD_EXT=0``, or pip's build
+    isolation) over a tree that holds one from an earlier build (an editable install) uses
+    Python, as its install said; only the deliberate pure-Python install is silent."""
+    if torch_ctrl.loader.build_info()["status"] != "built":
+        pytest.skip("needs the C++ extension")
+    target = tmp_path / "site"
+    package = Path(torch_ctrl.__file__).parent
+    shutil.copytree(package, target / "torch_ctrl", ignore=shutil.ignore_patterns("__pycache__"))
+    assert list((target / "torch_ctrl").glob("_C*.so"))
+    (target / "torch_ctrl" / "_build_info.py").write_text(
+        f"STATUS = {status!r}\nREASON = {reason!r}\nTORCH_VERSION = None\n"
+    )
+    out = _import_from(target, tmp_path)
+    assert out.returncode == 0, out.stderr
+    first, *warnings = out.stdout.splitlines()
+    assert first == "python 2"
+    if warns:
+        assert len(warnings) == 1 and "was not rebuilt" in warnings[0] and reason in warnings[0], warnings
+    else:
+        assert warnings == []
+
+
+@pytest.mark.timeout(300)
+def test_sdist_carries_every_source_the_extension_needs(tmp_path: Path) -> None:
+    """An sdist made where torch is absent (pip's isolated ``build``) still builds the extension
+    where it is installed: every C++ source and header, the license, and no build record of the
+    machine that made it."""
+    import tarfile
+
+    src = _copy_source(tmp_path)
+    env = {**os.environ, "TORCH_CTRL_BUILD_EXT": "0"}
+    res = subprocess.run(
+        [sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path / "out")],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=280,
+    )
+    assert res.returncode == 0, res.stderr
+    (sdist,) = (tmp_path / "out").glob("*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    needed = {f"csrc/{f.name}" for f in (ROOT / "csrc").iterdir() if f.suffix in (".cpp", ".h")}
+    assert needed and needed <= names, sorted(needed - names)
+    assert "LICENSE" in names and "torch_ctrl/_build_info.py" not in names
+
+
 def test_both_twins_detect_the_same_store_capabilities() -> None:
     """The path an op takes depends on them, so C++ (from torch's headers) and Python (from
     torch's classes) must agree on every torch."""
