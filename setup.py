@@ -19,7 +19,7 @@ from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INFO = os.path.join("torch_ctrl", "_build_info.py")
-FIX = "reinstall from source with: pip install --no-build-isolation --force-reinstall --no-deps <source>"
+FIX = "reinstall from source with: pip install --no-build-isolation --force-reinstall --no-deps <torch_ctrl source>"
 
 
 def write_build_info(status, reason, torch_version, root=HERE):
@@ -99,13 +99,16 @@ def get_cmdclass():
             for root in {HERE, os.path.abspath(self.build_lib)}:
                 write_build_info(status, reason, version, root)
             if status != "built":
-                say(f"torch_ctrl: C++ extension not built: {reason}; installing the pure-Python implementation")
+                say(
+                    f"torch_ctrl: C++ extension not built: {reason}; installing the pure-Python implementation "
+                    "(the compiler's output: pip install -v; a pure-Python install on purpose: TORCH_CTRL_BUILD_EXT=0)"
+                )
 
     return {"build_ext": OptionalBuildExtension.with_options(use_ninja=True)}
 
 
 def _one_line(exc):
-    text = " ".join(str(exc).split())
+    text = " ".join(str(exc).split()).rstrip(".")  # the caller goes on after a ";"
     return text[:300] + ("..." if len(text) > 300 else "")
 
 

@@ -6,7 +6,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <charconv>
 #include <cctype>
 #include <tuple>
 

@@ -444,7 +444,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Options of ``python -m torch_ctrl bench``."""
     p = argparse.ArgumentParser(
         prog="python -m torch_ctrl bench",
-        description=(__doc__ or "").splitlines()[0],
+        description=(__doc__ or "").splitlines()[0].replace("``", ""),
         epilog="The ctrl rendezvous against torch's c10d: python -m torch_ctrl bench rendezvous --help",
     )
     add = p.add_argument

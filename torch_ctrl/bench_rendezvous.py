@@ -237,7 +237,7 @@ def plot(records: list[dict[str, Any]], cap: float, path: Path) -> str:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Options of ``python -m torch_ctrl bench rendezvous``."""
     p = argparse.ArgumentParser(
-        prog="python -m torch_ctrl bench rendezvous", description=(__doc__ or "").splitlines()[0]
+        prog="python -m torch_ctrl bench rendezvous", description=(__doc__ or "").splitlines()[0].replace("``", "")
     )
     p.add_argument("--nodes", default=",".join(map(str, WORLDS)), help="comma-separated N (default: %(default)s)")
     p.add_argument("--backends", default=",".join(BACKENDS), help="subset of %(default)s")

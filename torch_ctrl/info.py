@@ -39,6 +39,9 @@ def collect() -> dict[str, Any]:
         # Which path barrier/all_gather/all_sum take over a TCPStore (docs/protocol.md, "The ops").
         "tcpstore_path": {"raw": capabilities.tcpstore_path(False), "prefix": capabilities.tcpstore_path(True)},
         "extension_capabilities": None,
+        # The torch the loaded extension was compiled against (its own record, which the
+        # loader checks; build["torch_version"] is what setup.py wrote next to it).
+        "extension_torch_version": None,
         "torch_private_store_collectives": capabilities.private_store_collectives() is not None,
         "ctrl_rendezvous": _ctrl_backend(),
         "agent_internals": None,
@@ -47,6 +50,7 @@ def collect() -> dict[str, Any]:
         from . import _C  # type: ignore[attr-defined]
 
         out["extension_capabilities"] = dict(_C._capabilities)
+        out["extension_torch_version"] = getattr(_C, "_torch_version", None)
     try:
         from .elastic import internals
 
@@ -78,11 +82,12 @@ def render(data: dict[str, Any]) -> str:
     """``collect()`` as the lines ``info`` prints."""
     caps = data["store_capabilities"]
     build = data["build"]
+    built_for = data.get("extension_torch_version") or build.get("torch_version")
     lines = [
         f"torch_ctrl {data['torch_ctrl']} on torch {data['torch']}, Python {data['python']}",
         f"backend: {data['backend']}" + (f" ({data['why_not_cpp']})" if data["why_not_cpp"] else ""),
         f"extension: {build['status']}"
-        + (f", built against torch {build['torch_version']}" if build.get("torch_version") else "")
+        + (f", built against torch {built_for}" if built_for else "")
         + (f" ({build['reason']})" if build.get("reason") else ""),
         "store capabilities of this torch: "
         + ", ".join(f"{name} {_yes(ok)}" for name, ok in caps.items())
