@@ -260,6 +260,10 @@ PYBIND11_MODULE(_C, m) {
         auto rank = K::parse_reader(data, world);
         return rank ? py::object(py::int_(*rank)) : py::object(py::none());
       }
+      if (kind == "beat") {
+        auto interval = K::beat_interval(data);
+        return interval ? py::object(py::float_(*interval)) : py::object(py::none());
+      }
       if (kind == "world_sizes") {  // data: the token, then one key name per line
         std::vector<std::string> lines;
         size_t pos = 0;

@@ -1,8 +1,10 @@
 // C++ twin of torch_ctrl/keys.py.
 #include "keys.h"
 
+#include <algorithm>
 #include <array>
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <stdexcept>
 
@@ -254,6 +256,19 @@ int64_t parse_counter(const std::string& value) {
     throw DecodeError("bad counter");
   }
   return *n;
+}
+
+int64_t first_beat(double interval) {
+  double ms = std::ceil(interval * 1000.0);
+  return kBeat + static_cast<int64_t>(std::min(static_cast<double>(kBeat - 1), std::max(1.0, ms)));
+}
+
+std::optional<double> beat_interval(const std::string& value) {
+  auto n = int64_of(value.data(), value.data() + value.size());
+  if (!n || *n < 0 || *n % kBeat == 0) {
+    return std::nullopt;
+  }
+  return static_cast<double>(*n % kBeat) / 1000.0;
 }
 
 std::optional<int64_t> parse_total(std::string_view value) {

@@ -50,6 +50,10 @@ constexpr size_t kChunk = size_t{4} << 20;
 // Added to a barrier counter to release native-barrier waiters on abort.
 constexpr int64_t kAbortBias = int64_t{1} << 40;
 
+// Heartbeat counters: every beat adds kBeat, the first one also the rank's interval in ms (at
+// most kBeat - 1), so a reader gives each rank the silence its own interval allows.
+constexpr int64_t kBeat = int64_t{1} << 22;
+
 // compare_set(key, kMissing, kNever) reads without writing.
 inline const std::string kMissing = "\x01";
 inline const std::string kNever = "\x02";
@@ -104,6 +108,11 @@ int notice_rank(const std::string& text);
 std::optional<int> parse_reader(const std::string& value, int world_size);
 // A counter written by add(): a decimal int64.
 int64_t parse_counter(const std::string& value);
+// What a rank's first heartbeat adds to its counter: one kBeat and its interval (ms).
+int64_t first_beat(double interval);
+// The interval (seconds) a heartbeat counter's rank declared; nullopt when the value is not a
+// non-negative decimal int64 or declares none.
+std::optional<double> beat_interval(const std::string& value);
 // Where one frame's payload lies in a log: no copies, so reading N frames allocates once.
 struct FrameSpan {
   int rank;

@@ -110,7 +110,7 @@ StoreCollectives::StoreCollectives(
     LaneGuard lane(*lanes_);
     notice = lane->peek(watcher_->abort_key());
     if (heartbeat_interval) {
-      lane->add(K::group_key(world_, "hb/" + std::to_string(rank_)), 1);
+      lane->add(K::group_key(world_, "hb/" + std::to_string(rank_)), K::first_beat(*heartbeat_interval));
     }
   }
   if (notice) {

@@ -89,6 +89,9 @@ Watcher::Watcher(std::shared_ptr<Lanes> lanes, int rank, int world_size, std::op
   state_->hb_key = keys::group_key(world_size, "hb/" + std::to_string(rank));
   state_->reader_key = keys::reader_key(world_size);
   if (heartbeat) {
+    // The constructor writes the first heartbeat (it declares the interval, keys::first_beat);
+    // the thread's first is one interval later, never racing it.
+    state_->next_beat = Clock::now() + secs(*heartbeat);
     std::lock_guard<std::mutex> lock(state_->mutex);
     start_locked();
   }
@@ -322,7 +325,6 @@ std::optional<std::pair<int, double>> Watcher::find_dead(State& st, Lane& lane) 
   }
   auto last = st.last_read;
   st.last_read = now;
-  double limit = kDeadAfter * *st.heartbeat;
   std::optional<std::pair<int, double>> dead;
   bool suspect = false;
   for (size_t i = 0; i < ranks->size() && i < values.size(); ++i) {
@@ -339,10 +341,12 @@ std::optional<std::pair<int, double>> Watcher::find_dead(State& st, Lane& lane) 
       beat.value = value;
       beat.since = now;
     } else if (value && r != st.rank) {
-      if (!dead && silent > limit) {
+      // The rank's own interval when it beats slower than this one: silence is its to judge.
+      double interval = std::max(*st.heartbeat, keys::beat_interval(*value).value_or(0.0));
+      if (!dead && silent > kDeadAfter * interval) {
         dead = std::make_pair(r, silent);
       }
-      suspect = suspect || silent > kSuspectAfter * *st.heartbeat;
+      suspect = suspect || silent > kSuspectAfter * interval;
     }
     beat.read_at = now;
   }
@@ -556,7 +560,12 @@ void Watcher::run(std::shared_ptr<State> st) {
         }
       };
       if (do_beat) {
-        safely([&] { lane->add(st->hb_key, 1); });
+        safely([&] {
+          // A counter that holds no interval was lost (a restarted server): declare it again.
+          if (lane->add(st->hb_key, keys::kBeat) % keys::kBeat == 0) {
+            lane->add(st->hb_key, keys::first_beat(*st->heartbeat) - keys::kBeat);
+          }
+        });
       }
       if (do_poll) {
         safely([&] { poll(*st, *lane); });

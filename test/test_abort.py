@@ -321,6 +321,51 @@ def test_slow_but_alive_rank_is_not_dead(impl: str) -> None:
     assert sorted(r[0] for r in done) == ["ok", "ok", "ok"], done
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+def test_ranks_beating_at_different_intervals_are_not_dead(impl: str, kind: str) -> None:
+    """A rank beating every 2 s is alive to a rank beating every 0.1 s: each counter carries
+    its rank's interval, and a reader allows each rank the silence of its own. The fast rank
+    waits 1.5 s in the barrier (15 of its intervals; it read the slow counter unchanged
+    throughout), and the barrier completes."""
+    stores = Stores(kind)
+    intervals = {0: 0.1, 1: 2.0}
+    colls = [make(impl, stores.client(r), r, 2, heartbeat_interval=intervals[r]) for r in range(2)]
+    late = threading.Event()
+
+    def rank_fn(rank: int) -> float:
+        if rank == 1:
+            late.wait(1.5)  # the scenario: the slow-beating rank arrives late, alive
+        start = time.monotonic()
+        colls[rank].barrier("mixed-intervals", timeout=30)
+        return time.monotonic() - start
+
+    try:
+        waited = run_ranks(2, rank_fn, timeout=40)
+    finally:
+        for coll in colls:
+            coll.close()
+    assert waited[0] >= 1.0, waited  # rank 0 was blocked long enough to have judged rank 1
+
+
+@pytest.mark.timeout(30)
+def test_a_lost_heartbeat_counter_declares_the_interval_again(impl: str) -> None:
+    """A counter that lost its declared interval (a restarted server starts it from nothing)
+    gets it back at the rank's next beat, so readers go on allowing that rank its own."""
+    store = dist.HashStore()
+    coll = make(impl, store, 0, 2, heartbeat_interval=0.05)
+    key = K.group_key(2, "hb/0")
+    try:
+        assert K.beat_interval(store.get(key)) == 0.05  # declared at construction
+        store.delete_key(key)
+        deadline = time.monotonic() + 20
+        while not (store.check([key]) and K.beat_interval(store.get(key)) == 0.05):
+            assert time.monotonic() < deadline, store.get(key) if store.check([key]) else "no counter"
+            time.sleep(0.01)  # polling the store for the beat, not synchronizing threads
+    finally:
+        coll.close()
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.skipif("cpp" not in IMPLS, reason="C++ extension not built")
 def test_abort_across_processes(impl: str) -> None:

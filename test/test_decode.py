@@ -8,6 +8,7 @@ and without a large allocation, in both implementations.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -21,7 +22,7 @@ from torch_ctrl import keys as K
 from torch_ctrl.errors import CollectiveError
 
 HAVE_CPP = torch_ctrl.backend() == "cpp"
-KINDS = ["chunks", "counter", "total", "frames", "names", "reader", "world_sizes"]
+KINDS = ["chunks", "counter", "total", "frames", "names", "reader", "beat", "world_sizes"]
 
 
 def _outcome(fn, *args):  # noqa: ANN001, ANN202
@@ -46,6 +47,7 @@ def _both(kind: str, data: bytes, world: int) -> None:
 _PIECES = st.sampled_from(
     [b"-1", b"0", b"1", b"7", b"-", b"+", b" ", b"_", b":", b",", b"C", b"D", b"A", b"00", b"3:", b"99999999999"]
     + [b"9223372036854775807", b"9223372036854775808", b"-9223372036854775808", b"18446744073709551616"]
+    + [b"4194304", b"4194305", b"4195304", b"8388608"]  # heartbeat counters: K.BEAT and an interval
 )
 _NEAR = st.lists(st.one_of(_PIECES, st.binary(max_size=3)), max_size=12).map(b"".join)
 
@@ -131,6 +133,17 @@ def test_totals_and_counters_are_strict(value: bytes) -> None:
         K.parse_counter(value)
     with pytest.raises(K.DecodeError):
         K.decode("total", value, 2)
+
+
+@pytest.mark.parametrize("interval", [0.01, 0.0105, 0.1, 1.0, 5.0, 3600.0])
+def test_a_heartbeat_counter_carries_its_ranks_interval(interval: float) -> None:
+    """Whatever the beats since, a counter reads back the interval its rank declared (in ms,
+    rounded up), and a counter without one (lost, or of an earlier version) declares none."""
+    first = K.first_beat(interval)
+    for beats in (0, 1, 1000):
+        assert K.beat_interval(b"%d" % (first + beats * K.BEAT)) == math.ceil(interval * 1000) / 1000
+    for value in (b"0", b"%d" % K.BEAT, b"%d" % (7 * K.BEAT), b"-5", b"x"):
+        assert K.beat_interval(value) is None
 
 
 def test_frames_out_of_range_or_twice_are_refused() -> None:

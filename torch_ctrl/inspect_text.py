@@ -67,7 +67,12 @@ def _op_line(op: dict[str, Any]) -> str:
 
 def _heartbeat_lines(hb: dict[str, Any], world: int) -> list[str]:
     ranks = hb["ranks"]
-    interval = f", interval ~{hb['estimated_interval_s']:.2g}s" if hb.get("estimated_interval_s") else ""
+    declared = sorted({r["interval_s"] for r in ranks if r.get("interval_s")})
+    if declared:  # what the ranks wrote in their counters
+        span = f"{declared[0]:.3g}s" if len(declared) == 1 else f"{declared[0]:.3g}-{declared[-1]:.3g}s"
+        interval = f", interval {span}"
+    else:
+        interval = f", interval ~{hb['estimated_interval_s']:.2g}s" if hb.get("estimated_interval_s") else ""
     window = f" over {_secs(hb['window_s'])}" if hb.get("window_s") is not None else " (one sample: ages unknown)"
     ok = sum(1 for r in ranks if r["status"] == "ok")
     lines = [f"heartbeats: {len(ranks)}/{world} ranks beating{interval}; {ok} moved{window}"]

@@ -169,6 +169,15 @@ def _all_slots(op: _OpKeys, world: int) -> bool:
     return not op.fields - {K.EXIT, K.NAMES} and len({r for r in op.slots if 0 <= r < world}) >= world
 
 
+def _beats(value: bytes | None) -> int | None:
+    """A heartbeat counter's beats: each adds ``K.BEAT`` (the low bits hold the interval); a
+    counter below ``K.BEAT`` counts them one by one (as earlier versions wrote them)."""
+    number = _int(value)
+    if number is None or number < 0:
+        return None
+    return number // K.BEAT if number >= K.BEAT else number
+
+
 def _int(value: bytes | None) -> int | None:
     if value is None or not value.lstrip(b"-").isdigit():
         return None
@@ -581,7 +590,8 @@ class Inspector:
     def _heartbeats(self, g: _GroupKeys, values: dict[str, bytes | None], now: float) -> dict[str, Any] | None:
         if not g.beats:
             return None
-        current = {r: v for r, v in ((r, _int(values.get(k))) for r, k in g.beats.items()) if v is not None}
+        raw = {r: values.get(k) for r, k in g.beats.items()}
+        current = {r: v for r, v in ((r, _beats(value)) for r, value in raw.items()) if v is not None}
         hist = self._beats.setdefault((self.address, g.prefix, g.world), _Beats())
         if len(hist.times) >= 1000:  # --watch: a bounded history
             self._trim(hist, 500)
@@ -612,6 +622,8 @@ class Inspector:
                 {
                     "rank": r,
                     "count": current[r],
+                    # The interval the rank declared in its counter (None: a counter without one).
+                    "interval_s": K.beat_interval(raw[r] or b""),
                     "age_s": round(now - hist.times[at], 3),
                     "age_max_s": None if age_max is None else round(age_max, 3),
                     "others_beats_since": others,

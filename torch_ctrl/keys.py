@@ -26,6 +26,7 @@ The C++ twin of this module is ``csrc/keys.h``; keep them identical.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Callable
 
@@ -52,6 +53,11 @@ CHUNK = 4 << 20
 
 # Added to a barrier counter to release native-barrier waiters on abort.
 ABORT_BIAS = 1 << 40
+
+# Heartbeat counters (liveness): every beat adds BEAT, and the first one also adds the rank's
+# interval in milliseconds (at most BEAT - 1, over an hour), so that a reader gives each rank
+# the silence its own interval allows: ranks of one group may beat at different intervals.
+BEAT = 1 << 22
 
 # compare_set with this expected value never matches a tagged value or a counter,
 # so it reads a key without writing it (and returns MISSING when the key is absent).
@@ -256,6 +262,20 @@ def parse_counter(value: bytes) -> int:
     return number
 
 
+def first_beat(interval: float) -> int:
+    """What a rank's first heartbeat adds to its counter: one ``BEAT`` and its interval (ms)."""
+    return BEAT + min(BEAT - 1, max(1, math.ceil(interval * 1000)))
+
+
+def beat_interval(value: bytes) -> float | None:
+    """The interval, in seconds, a heartbeat counter's rank declared (see ``first_beat``);
+    ``None`` when the value is not a non-negative decimal int64 or declares none."""
+    number = _int64(value)
+    if number is None or number < 0 or number % BEAT == 0:
+        return None
+    return (number % BEAT) / 1000
+
+
 def parse_total(value: bytes, error: Callable[[], Exception]) -> int:
     """A published all_sum total: a decimal int64 (the C++ twin's ``from_chars`` rule);
     anything else raises ``error()``."""
@@ -336,7 +356,7 @@ def other_world_sizes(names: list[str], world_size: int, token: str) -> list[int
 
 def decode(kind: str, data: bytes, world_size: int) -> object:
     """One decoder by name, for the twin fuzz tests: ``chunks``, ``counter``, ``total``,
-    ``frames``, ``names``, ``reader`` or ``world_sizes``; raises DecodeError like the decoder itself."""
+    ``frames``, ``names``, ``reader``, ``beat`` or ``world_sizes``; raises DecodeError like the decoder itself."""
     if kind == "chunks":
         return chunk_count(data)
     if kind == "counter":
@@ -352,6 +372,8 @@ def decode(kind: str, data: bytes, world_size: int) -> object:
         return sorted(parse_names(data, world_size))
     if kind == "reader":
         return parse_reader(data, world_size)
+    if kind == "beat":
+        return beat_interval(data)
     if kind == "world_sizes":  # data: the token, then one key name per line
         token_, *names = data.decode("latin-1").split("\n")
         return other_world_sizes(names, world_size, token_)

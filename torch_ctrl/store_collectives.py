@@ -148,7 +148,7 @@ class PyStoreCollectives(ControlCollectives):
             with self._lanes.lane() as lane:
                 notice = lane.peek(self._watcher.abort_key)
                 if heartbeat is not None:
-                    lane.add(K.group_key(self._world, f"hb/{self._rank}"), 1)
+                    lane.add(K.group_key(self._world, f"hb/{self._rank}"), K.first_beat(heartbeat))
         except Exception as exc:
             self._watcher.close(0.0)  # its heartbeats must not outlive a failed constructor
             raise unreachable(exc, store, self._rank, self._world) from None

@@ -199,7 +199,9 @@ class Watcher:
         self._busy = False
         self._broken = False  # the watcher's connection was lost: reconnect
         self._next_poll = 0.0
-        self._next_beat = 0.0
+        # The constructor writes the first heartbeat (it declares the interval, K.first_beat);
+        # the thread's first is one interval later, never racing it.
+        self._next_beat = time.monotonic() + heartbeat if heartbeat is not None else 0.0
         self._active_until = 0.0
         # While the thread sleeps: until when (None: until notified). Lets callers skip
         # waking it, so back-to-back collectives do not cost a thread switch each.
@@ -453,7 +455,7 @@ class Watcher:
     ) -> Lane:
         """One wake's store work, in order; the lane to go on with (a new one if this one was lost)."""
         if beat:
-            self._safely(lambda ln: ln.add(self._hb_key, 1), lane)
+            self._safely(self._beat, lane)
         if poll:
             self._safely(self._poll, lane)
         if release:
@@ -467,6 +469,13 @@ class Watcher:
         for task in tasks:
             self._safely(task, lane)
         return self._healed(lane)
+
+    def _beat(self, lane: Lane) -> None:
+        """One heartbeat: ``K.BEAT`` added to this rank's counter."""
+        assert self._heartbeat is not None
+        # A counter that holds no interval was lost (a restarted server): declare it again.
+        if lane.add(self._hb_key, K.BEAT) % K.BEAT == 0:
+            lane.add(self._hb_key, K.first_beat(self._heartbeat) - K.BEAT)
 
     def _poll(self, lane: Lane) -> None:
         """One abort check (and, with liveness, one heartbeat read) for blocked callers."""
@@ -499,7 +508,6 @@ class Watcher:
         else:
             values = [lane.peek(self._hb_keys[r]) for r in ranks]
         last, self._last_read = self._last_read, now
-        limit = DEAD_AFTER * self._heartbeat
         dead = None
         suspect = False
         for rank, value in zip(ranks, values):
@@ -512,9 +520,11 @@ class Watcher:
                 beat.value, beat.since = value, now
             elif value is not None and rank != self._rank:
                 silent = now - beat.since
-                if dead is None and silent > limit:
+                # The rank's own interval when it beats slower than this one: silence is its to judge.
+                interval = max(self._heartbeat, K.beat_interval(value) or 0.0)
+                if dead is None and silent > DEAD_AFTER * interval:
                     dead = rank, silent
-                suspect = suspect or silent > SUSPECT_AFTER * self._heartbeat
+                suspect = suspect or silent > SUSPECT_AFTER * interval
             beat.read_at = now
         self._suspect = suspect and dead is None  # this thread's only: no lock
         if renew and dead is None:  # a reader that found a dead rank aborts the group instead
