@@ -79,6 +79,45 @@ def test_info_prints_the_protocol_and_the_path_ranks_must_agree_on() -> None:
     assert f"backend: {torch_ctrl.backend()}" in out.stdout, out.stdout
 
 
+def _quiet_on_broken_pipe(proc: subprocess.Popen[str]) -> None:
+    """The command, its stdout closed by the reader, exits 1 with nothing on stderr (the Python
+    docs' recipe, "Note on SIGPIPE"): no BrokenPipeError traceback, no "Exception ignored"."""
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "BrokenPipe" not in err and "Broken pipe" not in err, err
+    assert not [ln for ln in err.splitlines() if not ln.startswith("[W")], err  # torch's own C++ warnings aside
+
+
+@pytest.mark.parametrize(
+    "args", [["torch_ctrl", "info"], ["torch_ctrl", "--help"], ["torch_ctrl", "bench", "--help"], ["torch_ctrl.info"]]
+)
+def test_output_into_a_closed_pipe_ends_quietly(args: list[str]) -> None:
+    """`torch-ctrl info | head -1` where the reader has gone before the command writes (here: it
+    closes its end at once): the command's write, or its last flush, meets a broken pipe. stdout
+    buffered, as by default (unbuffered, argparse's --help swallows the error itself)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["RES_OPTIONS"] = "timeout:1 attempts:1"
+    cmd = [sys.executable, "-W", "ignore", "-m", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    proc.stdout.close()  # the command is still starting up (importing torch): nothing written yet
+    _quiet_on_broken_pipe(proc)
+
+
+@pytest.mark.skipif(not capabilities.LIST_KEYS, reason="this torch's TCPStore cannot list its keys")
+def test_a_reader_that_stops_after_one_line_ends_inspect_watch_quietly() -> None:
+    """`torch-ctrl inspect --watch --json | head -1`: the reader reads one line and goes; the next
+    refresh meets the broken pipe (it was reported as "cannot read HOST:PORT: Broken pipe")."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cmd = [sys.executable, "-W", "ignore", "-m", "torch_ctrl", "inspect", f"127.0.0.1:{server.port}", "--watch"]
+    cmd += ["--json", "--interval", "0.1", "--timeout", "30"]
+    env = {**os.environ, "RES_OPTIONS": "timeout:1 attempts:1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    assert json.loads(proc.stdout.readline())["schema"] == "torch_ctrl.inspect/1"
+    proc.stdout.close()
+    _quiet_on_broken_pipe(proc)
+
+
 @pytest.mark.skipif(not capabilities.LIST_KEYS, reason="this torch's TCPStore cannot list its keys")
 def test_inspect_command_json_text_prefix_and_watch() -> None:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -43,8 +43,15 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Dispatch to a command; returns the exit status."""
+    """Dispatch to a command; returns the exit status (1, without a traceback, when stdout is a pipe
+    whose reader has gone, as in ``torch-ctrl info | head -1``)."""
+    from .broken_pipe import run
+
     args = list(sys.argv[1:] if argv is None else argv)
+    return run(lambda: _dispatch(args))
+
+
+def _dispatch(args: list[str]) -> int:
     parser = _top_parser()
     if not args:
         parser.print_help(sys.stderr)
@@ -139,6 +146,8 @@ def inspect_main(argv: Sequence[str]) -> int:
             time.sleep(max(opts.interval, 0.1))  # the refresh period itself: nothing to wait on
     except KeyboardInterrupt:
         return 0
+    except BrokenPipeError:  # stdout's reader has gone (`--watch | head`): main() leaves quietly
+        raise
     except ValueError as exc:
         print(f"{PROG} inspect: {exc}", file=sys.stderr)
         return 2

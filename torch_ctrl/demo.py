@@ -194,4 +194,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .broken_pipe import run
+
+    sys.exit(run(main))

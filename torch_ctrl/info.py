@@ -127,4 +127,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .broken_pipe import run
+
+    sys.exit(run(main))
