@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from torch_ctrl import bench, capabilities, lanes
+import torch_ctrl
+from torch_ctrl import bench, bench_report, capabilities, lanes
 
 FULL_API = ("torch", "cpp", "python")  # the contenders that run every op, where this installation has them
 
@@ -46,6 +48,14 @@ def test_smoke_covers_raw_and_prefix(tmp_path: Path) -> None:
     assert data["op_counts"] and all(r["store"] == "hash" for r in data["op_counts"])
     assert set(data["liveness_barrier_on_off"]) <= {"raw", "prefix"}
     text = (tmp_path / "results.md").read_text()
+    # A header first: what was run, on what (as results.json's meta), then the tables as printed.
+    lines = text.splitlines()
+    assert lines[0] == "# torch_ctrl benchmark" and lines[2] == f"- command: `{data['meta']['command']}`", text[:800]
+    head = text[: text.index("\n\n**")]
+    for part in ("--smoke", "mode threads", "store kinds raw, prefix", f"torch {torch.__version__}"):
+        assert part in head, (part, head)
+    assert f"torch_ctrl {torch_ctrl.__version__}" in head and f"{os.cpu_count()} CPUs" in head, head
+    text = text[len(head) :].lstrip("\n")
     missing = bench.unavailable()  # torch's class (torch 2.14+), the C++ extension (pure-Python installs)
     if "torch" not in missing:
         cpp = "" if "cpp" in missing else " raw: C++ |"
@@ -83,6 +93,21 @@ def test_torchrun_mode_reports_every_op(tmp_path: Path) -> None:
         (["--mode", "torchrun", "--world-sizes", "2,32"], "up to 16"),
         (["--mode", "processes", "--store", "hash"], "--store hash needs --mode threads"),
         (["--store", "raw,nfs"], "unknown name 'nfs'"),
+        # Each of these was a torch C++ stack trace, a ValueError or MemoryError traceback, a run
+        # that measured nothing and exited 0, or a run that never ends.
+        (["--timeout", "0"], "--timeout must be a finite number of seconds > 0"),
+        (["--timeout", "-5"], "--timeout must be a finite number of seconds > 0"),
+        (["--timeout", "nan"], "--timeout must be a finite number of seconds > 0"),
+        (["--timeout", "inf"], "--timeout must be a finite number of seconds > 0"),
+        (["--timeout", "1e10"], "<= 604800 (a week)"),
+        (["--payload", "999999999999"], "--payload must be at most 268435456 bytes (256 MiB)"),
+        (["--payload", "-1"], "--payload >= 0"),
+        (["--ops", ""], "--ops: no ops given"),
+        (["--ops", " , "], "--ops: no ops given"),
+        (["--contenders", ""], "--contenders: no contenders given"),
+        (["--world-sizes", ""], "--world-sizes: no world sizes given"),
+        (["--world-sizes", "2,10000000"], "--mode threads supports world sizes up to 4096"),
+        (["--count-world-sizes", "5000"], "the counts run a thread per rank, up to 4096"),
     ],
 )
 def test_rejected_options(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -91,8 +116,68 @@ def test_rejected_options(args: list[str], message: str, capsys: pytest.CaptureF
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_the_largest_accepted_values() -> None:
+    opts = bench.parse_args(["--world-sizes", "4096", "--payload", str(256 << 20), "--timeout", "604800"])
+    assert opts.worlds == [4096] and len(opts.data) == 256 << 20 and opts.timeout == 604800
+    assert bench.parse_args(["--payload", "0", "--timeout", "0.5"]).data == b""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cap", "0"], "--cap must be a finite number of seconds > 0"),
+        (["--cap", "nan"], "--cap must be a finite number of seconds > 0"),
+        (["--cap", "inf"], "--cap must be a finite number of seconds > 0"),
+        (["--nodes", ""], "--nodes: no node counts given"),
+        (["--nodes", "8,10000000"], "--nodes must be >= 1 and <= 4096"),
+        (["--backends", ""], "--backends: no backends given"),
+        (["--backends", "ctrl,etcd"], "--backends: unknown 'etcd'"),
+    ],
+)
+def test_rendezvous_rejected_options(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from torch_ctrl import bench_rendezvous
+
+    with pytest.raises(SystemExit) as exc:
+        bench_rendezvous.parse_args(args)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [[], ["rendezvous"]])
+def test_an_out_directory_that_cannot_be_written_fails_before_the_run(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad --out is reported at once, in one line naming it (it was a traceback, for bench
+    after the whole run), and nothing is run."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for out, why in (("/proc/nope", "No such file or directory"), (str(a_file), "not a directory")):
+        assert bench.main([*command, "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"error: --out {out}: " in err and why in err, err
+
+
+def test_cli_reports_bad_options_without_a_traceback() -> None:
+    env = {**os.environ, "RES_OPTIONS": "timeout:1 attempts:1"}
+    for args in (["--timeout", "nan"], ["rendezvous", "--cap", "inf"]):
+        cmd = [sys.executable, "-m", "torch_ctrl", "bench", *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert "must be a finite number of seconds > 0" in done.stderr.splitlines()[-1], done.stderr
+
+
+def test_smoke_keeps_the_options_given_with_it() -> None:
+    """--smoke sets the quick run's defaults; options given explicitly win (N=8 was run as N=2)."""
+    smoke = bench.parse_args(["--smoke"])
+    assert (smoke.worlds, smoke.rounds, smoke.ops, smoke.count_worlds) == ([2], 3, list(bench.OPS), [2])
+    given = bench.parse_args(["--smoke", "--world-sizes", "8", "--rounds", "5", "--ops", "barrier"])
+    assert (given.worlds, given.rounds, given.ops, given.count_worlds) == ([8], 5, ["barrier"], [2])
+    assert bench.parse_args(["--smoke", "--count-world-sizes", ""]).count_worlds == []
+    assert bench.parse_args(["--smoke", "--contenders", "floor"]).contenders == ["floor"]
+
+
 def test_default_world_sizes_follow_the_mode() -> None:
     assert bench.parse_args([]).worlds == [2, 8, 32, 128, 512]
+    assert bench.parse_args([]).rounds == 20 and bench.parse_args([]).count_worlds == [2, 8]
     assert bench.parse_args(["--mode", "torchrun"]).worlds == [2, 8, 16]
     assert bench.parse_args(["--count-store", "tcp,prefix"]).count_stores == ["raw", "prefix"]
     assert bench.parse_args([]).stores == ["raw", "prefix"]
@@ -172,13 +257,36 @@ def test_rank_threads_make_and_free_their_instances_in_the_turn(monkeypatch: pyt
     assert sorted(seen) == [("freed", True)] * world + [("made", True)] * world, seen
 
 
+def test_results_md_header_names_the_run() -> None:
+    meta = dict(nproc=2, cpu="AMD EPYC", torch="2.13.0+cpu", torch_ctrl="0.2.0", backend="cpp", python="3.11.7")
+    meta.update(command="python -m torch_ctrl bench --store file", open_files=1024, mode="processes", stores=["file"])
+    meta.update(payload=64, rounds=20, timeout_s=120.0, order="blocks", count_stores=[], world_sizes=[2, 8])
+    meta.update(absent={"torch._StoreCollectives": "absent: no class"}, started="2026-12-06 10:00:00 UTC", seconds=9.5)
+    assert bench_report.header(meta).splitlines() == [
+        "# torch_ctrl benchmark",
+        "",
+        "- command: `python -m torch_ctrl bench --store file`",
+        "- run: mode processes; store kinds file; N = 2, 8; 20 rounds (half, >= 3, for N >= 256); order blocks; "
+        "payload 64 B; timeout 120 s",
+        "- store-call counts: none",
+        "- versions: torch_ctrl 0.2.0 (backend cpp), torch 2.13.0+cpu, Python 3.11.7",
+        "- machine: 2 CPUs (AMD EPYC), open files 1024",
+        "- not measured: torch._StoreCollectives: absent: no class",
+        "- started 2026-12-06 10:00:00 UTC, took 9.5 s",
+    ]
+    assert bench.machine()["torch_ctrl"] == torch_ctrl.__version__
+
+
 def test_rendezvous_bench_claims_only_the_targets_it_measured(tmp_path: Path) -> None:
     # A run without N=512 and 2048 (or without the ctrl backend) measures no target: it must not say "met".
     env = {**os.environ, "RES_OPTIONS": "timeout:1 attempts:1"}
     cmd = [sys.executable, "-m", "torch_ctrl", "bench", "rendezvous", "--nodes", "8", "--backends", "ctrl"]
     done = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=110, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    verdict = (tmp_path / "rendezvous.md").read_text().splitlines()[-1]
+    md = (tmp_path / "rendezvous.md").read_text()
+    assert md.startswith("# torch_ctrl rendezvous benchmark\n\n- command: `python -m torch_ctrl bench rendezvous "), md
+    assert "- run: backends ctrl; N = 8; cap 120 s" in md, md
+    verdict = md.splitlines()[-1]
     assert verdict.endswith("not measured (no ctrl run at N=512 or 2048)"), verdict
     from torch_ctrl.bench_rendezvous import target_verdict
 

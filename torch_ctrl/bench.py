@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -70,6 +71,11 @@ STORE_TEXT = {
 STORE_CLASSES = {"raw": dist.TCPStore, "prefix": dist.PrefixStore, "file": dist.FileStore, "hash": dist.HashStore}
 PREFIX = "bench"  # the PrefixStore's prefix of --store prefix (threads and processes)
 MAX_SPAWNED = 16  # world sizes of --mode processes and torchrun: what a 2-core machine can spawn
+# World sizes of --mode threads and of the store-call counts (always threads): N threads, each with
+# a store client per contender, in one process (N=512 takes minutes already, docs/benchmarks.md).
+MAX_THREADS = 4096
+MAX_PAYLOAD = 256 << 20  # --payload, bytes: one copy is shared, but each gather/all_gather holds N of them
+MAX_TIMEOUT = 7 * 86400.0  # --timeout, seconds (a week): torch's stores overflow on much longer timeouts
 Task = tuple[str, int, str]  # (op, round, contender); round -1 is the warm-up
 Timing = tuple[float, float, str]  # (start, end, error or "")
 Make = Callable[[str, dist.Store, int, int], Any]  # (contender, store, rank, world) -> instance
@@ -414,7 +420,42 @@ def machine() -> dict[str, Any]:
             cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         cpu = platform.processor()
-    return dict(nproc=os.cpu_count(), cpu=cpu, torch=torch.__version__, python=platform.python_version())
+    from . import __version__
+
+    return dict(
+        nproc=os.cpu_count(),
+        cpu=cpu,
+        torch=torch.__version__,
+        torch_ctrl=__version__,
+        backend=loader.backend(),
+        python=platform.python_version(),
+    )
+
+
+def timeout_error(name: str, seconds: float) -> str | None:
+    """Why ``seconds`` is no valid value of the timeout option ``name``, or None if it is."""
+    if math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT:
+        return None
+    return f"{name} must be a finite number of seconds > 0 and <= {MAX_TIMEOUT:.0f} (a week), not {seconds:g}"
+
+
+def out_dir(path: str, prog: str) -> Path | None:
+    """``--out``, created if need be and checked writable (a temporary file made and removed there)
+    before anything runs; None, after one line on stderr naming the path and the OS error, if not."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        why = (
+            "not a directory"
+            if out.exists() and not out.is_dir()
+            else f"cannot create or write there: {exc.strerror or exc}"
+        )
+        print(f"{prog}: error: --out {path}: {why}", file=sys.stderr)
+        return None
+    return out
 
 
 def raise_open_files() -> int:
@@ -451,12 +492,23 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     add(
         "--world-sizes",
         default=None,
-        help=f"comma-separated world sizes (default: 2,8,32,128,512 with threads; 2,8,16 with processes or "
-        f"torchrun, which spawn a process per rank and accept N <= {MAX_SPAWNED})",
+        help=f"comma-separated world sizes (default: 2,8,32,128,512 with threads, which accept N <= {MAX_THREADS}; "
+        f"2,8,16 with processes or torchrun, which spawn a process per rank and accept N <= {MAX_SPAWNED}; "
+        "--smoke: 2)",
     )
-    add("--ops", default=",".join(OPS), help="ops; a rooted op's send/recv method names select it too (default: all)")
-    add("--payload", type=int, default=64, help="payload bytes (default: %(default)s; e.g. 65536)")
-    add("--rounds", type=int, default=20, help="timed rounds per op (default: %(default)s; half, >= 3, for N >= 256)")
+    add("--ops", default=None, help="ops; a rooted op's send/recv method names select it too (default: all)")
+    add(
+        "--payload",
+        type=int,
+        default=64,
+        help=f"payload bytes, 0 to {MAX_PAYLOAD} (256 MiB) (default: %(default)s; e.g. 65536)",
+    )
+    add(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed rounds per op (default: 20, --smoke: 3; half, >= 3, for N >= 256)",
+    )
     add(
         "--store",
         default="raw,prefix",
@@ -472,7 +524,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default="threads",
         help="ranks are threads of this process, spawned processes, or the workers of a real "
         "'python -m torch_ctrl.run --standalone --nproc-per-node=N' job, taking torch_ctrl.from_env() "
-        f"(processes and torchrun: N <= {MAX_SPAWNED}, what a 2-core machine can spawn; default: %(default)s)",
+        f"(threads: N <= {MAX_THREADS}; processes and torchrun: N <= {MAX_SPAWNED}, what a 2-core machine can "
+        "spawn; default: %(default)s)",
     )
     add(
         "--contenders",
@@ -488,24 +541,42 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "contender runs all its rounds back to back, as an application using one of them does "
         "(default: %(default)s)",
     )
-    add("--out", default="./bench-out", help="output directory (default: %(default)s)")
-    add("--timeout", type=float, default=120.0, help="per-op and store timeout, seconds (default: %(default)s)")
-    add("--count-world-sizes", default="2,8", help="world sizes of the store-call counts, '' to skip (default: 2,8)")
+    add("--out", default="./bench-out", help="output directory, created if need be (default: %(default)s)")
+    add(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help=f"per-op and store timeout, seconds, > 0 and <= {MAX_TIMEOUT:.0f} (a week) (default: %(default)s)",
+    )
+    add(
+        "--count-world-sizes",
+        default=None,
+        help=f"world sizes of the store-call counts (threads, N <= {MAX_THREADS}), '' to skip "
+        "(default: 2,8; --smoke: 2)",
+    )
     add(
         "--count-store",
         default="hash",
         help="comma-separated store kinds under the CountingStores, as --store ('tcp' is raw) (default: %(default)s)",
     )
-    add("--smoke", action="store_true", help="quick check for CI: N=2, 3 rounds, every op and contender")
+    add(
+        "--smoke",
+        action="store_true",
+        help="quick check for CI: N=2, 3 rounds, every op and contender, counts at N=2; --world-sizes, "
+        "--rounds, --ops, --contenders and --count-world-sizes given as well override these",
+    )
     opts = p.parse_args(list(argv))
+    # Left out: the defaults, those of --smoke with it (an option given explicitly wins over --smoke).
     if opts.world_sizes is None:
-        opts.world_sizes = "2,8,32,128,512" if opts.mode == "threads" else "2,8,16"
+        opts.world_sizes = "2" if opts.smoke else "2,8,32,128,512" if opts.mode == "threads" else "2,8,16"
+    if opts.rounds is None:
+        opts.rounds = 3 if opts.smoke else 20
+    if opts.count_world_sizes is None:
+        opts.count_world_sizes = "2" if opts.smoke else "2,8"
+    opts.ops = ",".join(OPS) if opts.ops is None else opts.ops
     named = opts.contenders is not None
     opts.contenders = opts.contenders if named else ",".join(CONTENDERS)
     opts.python_max = PYTHON_THREADS_MAX if opts.mode == "threads" and not named else None
-    if opts.smoke:
-        opts.world_sizes, opts.rounds, opts.ops, opts.contenders = "2", 3, ",".join(OPS), ",".join(CONTENDERS)
-        opts.count_world_sizes = "2"
     try:
         opts.worlds = [int(x) for x in opts.world_sizes.split(",") if x.strip()]
         opts.count_worlds = [int(x) for x in opts.count_world_sizes.split(",") if x.strip()]
@@ -515,17 +586,30 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         opts.count_stores = _names(opts.count_store, STORES, {"tcp": "raw"})
     except ValueError as exc:
         p.error(str(exc))
-    if not opts.worlds or min(opts.worlds + opts.count_worlds) < 1 or opts.rounds < 1 or opts.payload < 0:
+    for option, given in (("--world-sizes", opts.worlds), ("--ops", opts.ops), ("--contenders", opts.contenders)):
+        if not given:
+            p.error(f"{option}: no {option[2:].replace('-', ' ')} given")
+    if min(opts.worlds + opts.count_worlds) < 1 or opts.rounds < 1 or opts.payload < 0:
         p.error("world sizes and --rounds must be >= 1, --payload >= 0")
+    if opts.payload > MAX_PAYLOAD:
+        p.error(f"--payload must be at most {MAX_PAYLOAD} bytes (256 MiB), not {opts.payload}")
+    why = timeout_error("--timeout", opts.timeout)
+    if why:
+        p.error(why)
     if not opts.stores or (opts.count_worlds and not opts.count_stores):
         p.error("--store and --count-store need at least one store kind")
-    if opts.mode != "threads" and max(opts.worlds) > MAX_SPAWNED:
-        p.error(f"--mode {opts.mode} supports world sizes up to {MAX_SPAWNED}")
+    most = MAX_SPAWNED if opts.mode != "threads" else MAX_THREADS
+    if max(opts.worlds) > most:
+        p.error(f"--mode {opts.mode} supports world sizes up to {most}")
+    if opts.count_worlds and max(opts.count_worlds) > MAX_THREADS:
+        p.error(f"--count-world-sizes: the counts run a thread per rank, up to {MAX_THREADS}")
     if opts.mode != "threads" and "hash" in opts.stores:
         p.error(f"--store hash needs --mode threads (a HashStore lives in one process), not {opts.mode}")
     opts.data = b"x" * opts.payload
     opts.absent = {c: why for c, why in unavailable().items() if c in opts.contenders}
     opts.contenders = [c for c in opts.contenders if c not in opts.absent]
+    if not opts.contenders:
+        p.error("--contenders: none can run here: " + "; ".join(f"{c}: {why}" for c, why in opts.absent.items()))
     return opts
 
 
@@ -537,14 +621,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return rendezvous_main(args[1:])
     opts = parse_args(args)
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(opts.out, "python -m torch_ctrl bench")
+    if out is None:
+        return 2
     # torch's TCPStore looks up every peer's host name, on the server's event loop too: where DNS drops such
     # queries, each one stalls the whole server for the resolver timeout (5 s). Only connection setup does it.
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     meta = {**machine(), "command": "python -m torch_ctrl bench " + shlex.join(args), "open_files": raise_open_files()}
     meta.update(mode=opts.mode, stores=opts.stores, payload=opts.payload, rounds=opts.rounds, timeout_s=opts.timeout)
-    meta.update(order=opts.order)
+    meta.update(order=opts.order, world_sizes=opts.worlds, ops=opts.ops, contenders=opts.contenders)
+    meta.update(count_world_sizes=opts.count_worlds, started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     meta.update(count_stores=opts.count_stores if opts.count_worlds else [])
     print(
         f"# {meta['command']}\n# {meta['cpu']} x{meta['nproc']}, torch {meta['torch']}, mode={opts.mode}, "
@@ -601,7 +687,7 @@ def report(
     (out / "results.json").write_text(
         json.dumps(dict(meta=meta, latency=latency, liveness_barrier_on_off=liveness, op_counts=counts), indent=1)
     )
-    (out / "results.md").write_text(text + "\n")
+    (out / "results.md").write_text(bench_report.header(meta) + "\n\n" + text + "\n")
     for note in bench_report.plots(latency, opts.ops, opts.contenders, out, f"mode={opts.mode}"):
         print(note)
     failures = sum(len(r["errors"]) for r in latency + counts)

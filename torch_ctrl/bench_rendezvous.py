@@ -30,6 +30,7 @@ from .counting import CountingStore
 BACKENDS = ("ctrl", "c10d")
 WORLDS = (8, 32, 128, 512, 2048)
 TARGETS = {512: 2.0, 2048: 10.0}  # seconds, ctrl
+MAX_NODES = 4096  # --nodes: a thread and a TCPStore client per node, in one process
 
 
 class MeteredStore(CountingStore):
@@ -236,24 +237,42 @@ def plot(records: list[dict[str, Any]], cap: float, path: Path) -> str:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Options of ``python -m torch_ctrl bench rendezvous``."""
+    from .bench import MAX_TIMEOUT, timeout_error
+
     p = argparse.ArgumentParser(
         prog="python -m torch_ctrl bench rendezvous", description=(__doc__ or "").splitlines()[0].replace("``", "")
     )
-    p.add_argument("--nodes", default=",".join(map(str, WORLDS)), help="comma-separated N (default: %(default)s)")
+    p.add_argument(
+        "--nodes",
+        default=",".join(map(str, WORLDS)),
+        help=f"comma-separated N, each <= {MAX_NODES} (default: %(default)s)",
+    )
     p.add_argument("--backends", default=",".join(BACKENDS), help="subset of %(default)s")
-    p.add_argument("--cap", type=float, default=120.0, help="seconds per run before giving up (default: %(default)s)")
-    p.add_argument("--out", default="./bench-out", help="output directory (default: %(default)s)")
+    p.add_argument(
+        "--cap",
+        type=float,
+        default=120.0,
+        help=f"seconds per run before giving up, > 0 and <= {MAX_TIMEOUT:.0f} (a week) (default: %(default)s)",
+    )
+    p.add_argument("--out", default="./bench-out", help="output directory, created if need be (default: %(default)s)")
     opts = p.parse_args(list(argv))
     try:
         opts.worlds = [int(x) for x in opts.nodes.split(",") if x.strip()]
     except ValueError:
         p.error(f"--nodes: not a list of integers: {opts.nodes!r}")
     opts.backend_list = [b.strip() for b in opts.backends.split(",") if b.strip()]
-    if not opts.worlds or min(opts.worlds) < 1 or opts.cap <= 0:
-        p.error("--nodes must be >= 1 and --cap > 0")
+    if not opts.worlds:
+        p.error("--nodes: no node counts given")
+    if min(opts.worlds) < 1 or max(opts.worlds) > MAX_NODES:
+        p.error(f"--nodes must be >= 1 and <= {MAX_NODES}")
+    why = timeout_error("--cap", opts.cap)
+    if why:
+        p.error(why)
+    if not opts.backend_list:
+        p.error(f"--backends: no backends given; choose from {', '.join(BACKENDS)}")
     bad = [b for b in opts.backend_list if b not in BACKENDS]
-    if bad or not opts.backend_list:
-        p.error(f"--backends: choose from {', '.join(BACKENDS)}")
+    if bad:
+        p.error(f"--backends: unknown {', '.join(map(repr, bad))}; choose from {', '.join(BACKENDS)}")
     return opts
 
 
@@ -272,51 +291,64 @@ def target_verdict(records: Sequence[dict], misses: Sequence[str]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the rendezvous benchmark; print the table, write ``rendezvous.json|md|png``."""
-    from .bench import machine, raise_open_files
+    from . import bench_report
+    from .bench import machine, out_dir, raise_open_files
+    from .broken_pipe import silence_stdout
 
     args = list(sys.argv[1:] if argv is None else argv)
     opts = parse_args(args)
+    out = out_dir(opts.out, "python -m torch_ctrl bench rendezvous")
+    if out is None:
+        return 2
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # see bench.main: connection setup only
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {**machine(), "command": "python -m torch_ctrl bench rendezvous " + shlex.join(args)}
-    meta["open_files"] = raise_open_files()
-    print(f"# {meta['command']}\n# {meta['cpu']} x{meta['nproc']}, torch {meta['torch']}", flush=True)
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
-    records = []
-    # one backend at a time: c10d runs that hit the cap leave threads behind until their join timeout
-    for b in opts.backend_list:
-        for n in opts.worlds:
-            r = run_once(b, server.port, n, opts.cap)
-            records.append(r)
-            print(
-                f"# {b:5} N={n:5}: {_time_cell(r, opts.cap)}; calls/node median {r['calls_median']:g} "
-                f"max {r['calls_max']:g}; bytes/node median {r['bytes_median']} max {r['bytes_max']}",
-                flush=True,
-            )
-    text = table(records, opts.cap)
-    misses = [
-        f"N={n}: {r['seconds']} s > {t} s"
-        for n, t in TARGETS.items()
-        for r in records
-        if r["backend"] == "ctrl" and r["n"] == n and (r["seconds"] is None or r["seconds"] > t)
-    ]
-    text += "\n\nTargets (ctrl: 512 nodes <= 2 s, 2048 <= 10 s): " + target_verdict(records, misses)
-    print(text)
-    (out / "rendezvous.json").write_text(json.dumps(dict(meta=meta, records=records), indent=1))
-    (out / "rendezvous.md").write_text(text + "\n")
-    png = plot(records, opts.cap, out / "rendezvous.png")
-    if png:
-        print(f"# plot: {png}")
-    code = 1 if misses else 0
+    meta.update(open_files=raise_open_files(), backends=opts.backend_list, nodes=opts.worlds, cap_s=opts.cap)
+    meta["started"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    records: list[dict[str, Any]] = []
+    begin = time.perf_counter()
+    try:
+        print(f"# {meta['command']}\n# {meta['cpu']} x{meta['nproc']}, torch {meta['torch']}", flush=True)
+        server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+        # one backend at a time: c10d runs that hit the cap leave threads behind until their join timeout
+        for b in opts.backend_list:
+            for n in opts.worlds:
+                r = run_once(b, server.port, n, opts.cap)
+                records.append(r)
+                print(
+                    f"# {b:5} N={n:5}: {_time_cell(r, opts.cap)}; calls/node median {r['calls_median']:g} "
+                    f"max {r['calls_max']:g}; bytes/node median {r['bytes_median']} max {r['bytes_max']}",
+                    flush=True,
+                )
+        meta["seconds"] = round(time.perf_counter() - begin, 1)
+        text = table(records, opts.cap)
+        misses = [
+            f"N={n}: {r['seconds']} s > {t} s"
+            for n, t in TARGETS.items()
+            for r in records
+            if r["backend"] == "ctrl" and r["n"] == n and (r["seconds"] is None or r["seconds"] > t)
+        ]
+        text += "\n\nTargets (ctrl: 512 nodes <= 2 s, 2048 <= 10 s): " + target_verdict(records, misses)
+        print(text)
+        (out / "rendezvous.json").write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+        md = bench_report.header(meta, "torch_ctrl rendezvous benchmark") + "\n\n" + text + "\n"
+        (out / "rendezvous.md").write_text(md)
+        png = plot(records, opts.cap, out / "rendezvous.png")
+        if png:
+            print(f"# plot: {png}")
+        code = 1 if misses else 0
+        sys.stdout.flush()
+    except BrokenPipeError:  # stdout's reader has gone (`| head`): leave quietly, as broken_pipe.run does
+        silence_stdout()
+        code = 1
     if any(r["seconds"] is None for r in records):
         # handlers past the cap are still inside TCPStore calls on daemon threads; tearing the
         # interpreter down under them aborts the process (C++ terminate): leave without it
-        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .broken_pipe import run
+
+    sys.exit(run(main))

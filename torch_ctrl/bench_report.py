@@ -20,6 +20,42 @@ def _md(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def _num(x: Any) -> str:
+    return f"{x:g}" if isinstance(x, (int, float)) else str(x)
+
+
+def header(meta: dict[str, Any], title: str = "torch_ctrl benchmark") -> str:
+    """Markdown: a title line, then what the run was, from ``meta`` (``results.json``'s): the command,
+    the mode, store kinds and other settings, the versions and the machine."""
+    get = meta.get
+    cmd = get("command", "")
+    tick = "``" if "`" in cmd else "`"
+    lines = [f"# {title}", "", f"- command: {tick}{cmd}{tick}"]
+    if "mode" in meta:  # python -m torch_ctrl bench
+        run = [f"mode {meta['mode']}", "store kinds " + ", ".join(get("stores", []))]
+        run += ["N = " + ", ".join(map(str, get("world_sizes", [])))] if get("world_sizes") else []
+        run += [f"{get('rounds')} rounds (half, >= 3, for N >= 256)", f"order {get('order')}"]
+        run += [f"payload {get('payload')} B", f"timeout {_num(get('timeout_s'))} s"]
+        lines.append("- run: " + "; ".join(run))
+        counts = ", ".join(get("count_stores") or []) or "none"
+        if get("count_stores") and get("count_world_sizes"):
+            counts += " at N = " + ", ".join(map(str, get("count_world_sizes")))
+        lines.append(f"- store-call counts: {counts}")
+    if "backends" in meta:  # python -m torch_ctrl bench rendezvous
+        nodes = ", ".join(map(str, get("nodes", [])))
+        lines.append(f"- run: backends {', '.join(meta['backends'])}; N = {nodes}; cap {_num(get('cap_s'))} s")
+    impl = f" (backend {get('backend')})" if get("backend") else ""
+    lines.append(f"- versions: torch_ctrl {get('torch_ctrl', '?')}{impl}, torch {get('torch')}, Python {get('python')}")
+    lines.append(f"- machine: {get('nproc')} CPUs ({get('cpu')}), open files {get('open_files')}")
+    if get("absent"):
+        lines.append("- not measured: " + "; ".join(f"{name}: {why}" for name, why in meta["absent"].items()))
+    when = [f"started {get('started')}"] if get("started") else []
+    when += [f"took {get('seconds')} s"] if get("seconds") is not None else []
+    if when:
+        lines.append("- " + ", ".join(when))
+    return "\n".join(lines)
+
+
 def _cells(records: list[Record]) -> tuple[list[tuple[str, int]], dict[tuple[str, int, str], Record]]:
     keys = sorted({(r["op"], r["world_size"]) for r in records}, key=lambda k: (OPS.index(k[0]), k[1]))
     return keys, {(r["op"], r["world_size"], r["contender"]): r for r in records}
