@@ -133,13 +133,12 @@ inline int64_t int64(py::handle value) {
   return base().attr("to_int64")(value).cast<int64_t>();
 }
 
-// bool(value)
+// base.check_block: barrier's block, a bool (or an integer such as NumPy's bool_).
 inline bool truth(py::handle value) {
-  int result = PyObject_IsTrue(value.ptr());
-  if (result < 0) {
-    throw py::error_already_set();
+  if (PyBool_Check(value.ptr())) {
+    return value.ptr() == Py_True;
   }
-  return result != 0;
+  return base().attr("check_block")(value).cast<bool>();
 }
 
 } // namespace torch_ctrl::arguments

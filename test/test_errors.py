@@ -63,6 +63,8 @@ BAD_CALLS = [
     ("barrier", dict(key="k", timeout=-1)),
     ("barrier", dict(key="k", timeout="1s")),
     ("barrier", dict(key="k", timeout=timedelta(seconds=-1))),
+    ("barrier", dict(key="k", block="no")),  # a truthy str would block
+    ("barrier", dict(key="k", block=[False])),
     ("broadcast_send", dict(key="k", data=123)),
     ("broadcast_send", dict(key="k")),
     ("gather_send", dict(key="k", data=["x"])),
@@ -85,6 +87,16 @@ def test_bad_input_before_store_traffic(impl: str, method: str, kwargs: dict) ->
     with pytest.raises((TypeError, ValueError)):
         getattr(coll, method)(**kwargs)
     assert store.num_keys() == 0
+    coll.close()
+
+
+def test_block_takes_bools_and_integers_and_says_what_else_it_got(impl: str) -> None:
+    """As torch's class: an int is a bool (0 arrives without waiting); a str is refused, in
+    one message shared by both implementations."""
+    coll = make(impl, DictStore(), 0, 2)
+    coll.barrier("arrive-only", block=0)  # returns at once: rank 1 never comes
+    with pytest.raises(TypeError, match="^block must be a bool, got str$"):
+        coll.barrier("refused", block="no")
     coll.close()
 
 

@@ -584,6 +584,17 @@ def _int(name: str, value: object) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
 
 
+def check_block(block: object) -> bool:
+    """``barrier``'s ``block``: a bool, or an integer such as NumPy's ``bool_`` (torch's class
+    refuses a ``str``; ``block="no"`` would otherwise block)."""
+    if isinstance(block, bool):
+        return block
+    try:
+        return bool(operator.index(block))  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"block must be a bool, got {type(block).__name__}") from None
+
+
 def check_key(key: object) -> str | None:
     """``None`` or a ``str`` that is valid UTF-8 text (a lone surrogate raises
     ``UnicodeEncodeError``, a ``ValueError``: the key could not be written to a store)."""

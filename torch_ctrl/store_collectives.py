@@ -25,6 +25,7 @@ from .base import (
     Data,
     Timeout,
     abort_unreachable,
+    check_block,
     check_heartbeat,
     check_init,
     check_key,
@@ -169,6 +170,7 @@ class PyStoreCollectives(ControlCollectives):
         return self._world
 
     def barrier(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT, block: bool = True) -> None:
+        block = check_block(block)
         op = self._begin("barrier", key, timeout)
         if self._world == 1:
             return
