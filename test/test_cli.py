@@ -43,6 +43,9 @@ def test_cli_usage() -> None:
     for address in ("127.0.0.1:99999", "127.0.0.1:0", "127.0.0.1", "127.0.0.1:x"):  # bad arguments: 2, not 1
         out = _run("-m", "torch_ctrl", "inspect", address)
         assert out.returncode == 2 and "expected HOST:PORT" in out.stderr, (address, out.stderr)
+    for option in (("--timeout", "nan"), ("--timeout", "inf"), ("--timeout", "0"), ("--interval", "nan")):
+        out = _run("-m", "torch_ctrl", "inspect", "127.0.0.1:1", *option)
+        assert out.returncode == 2 and "--interval must be 0 to" in out.stderr, (option, out.stderr)
 
 
 def test_help_and_version() -> None:

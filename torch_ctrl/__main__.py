@@ -110,14 +110,20 @@ def inspect_parser() -> argparse.ArgumentParser:
     return parser
 
 
+WEEK = 7 * 86400.0  # the longest --interval and --timeout of inspect, seconds
+
+
 def inspect_main(argv: Sequence[str]) -> int:
     """``torch-ctrl inspect``: print one report, or refresh it in place with ``--watch``."""
     from .inspect_text import render
     from .inspection import Inspector, inspect
 
     opts = inspect_parser().parse_args(list(argv))
-    if opts.interval < 0 or opts.timeout <= 0:
-        print(f"{PROG} inspect: --interval must be >= 0 and --timeout > 0", file=sys.stderr)
+    if not (0 <= opts.interval <= WEEK and 0 < opts.timeout <= WEEK):  # NaN fails both
+        print(
+            f"{PROG} inspect: --interval must be 0 to {WEEK:.0f} s and --timeout over 0, to {WEEK:.0f} s",
+            file=sys.stderr,
+        )
         return 2
     # torch's TCPStore resolves host names on connect; where DNS drops such queries each try
     # stalls for the resolver timeout (5 s). Only this process's lookups are affected.
