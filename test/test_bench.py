@@ -102,6 +102,7 @@ def test_torchrun_mode_reports_every_op(tmp_path: Path) -> None:
         (["--timeout", "1e10"], "<= 604800 (a week)"),
         (["--payload", "999999999999"], "--payload must be at most 268435456 bytes (256 MiB)"),
         (["--payload", "-1"], "--payload >= 0"),
+        (["--rounds", "1000000000"], "--rounds must be at most 100000"),
         (["--ops", ""], "--ops: no ops given"),
         (["--ops", " , "], "--ops: no ops given"),
         (["--contenders", ""], "--contenders: no contenders given"),

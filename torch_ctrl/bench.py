@@ -75,6 +75,7 @@ MAX_SPAWNED = 16  # world sizes of --mode processes and torchrun: what a 2-core 
 # a store client per contender, in one process (N=512 takes minutes already, docs/benchmarks.md).
 MAX_THREADS = 4096
 MAX_PAYLOAD = 256 << 20  # --payload, bytes: one copy is shared, but each gather/all_gather holds N of them
+MAX_ROUNDS = 100_000  # --rounds: the schedule and every sample are kept in memory
 MAX_TIMEOUT = 7 * 86400.0  # --timeout, seconds (a week): torch's stores overflow on much longer timeouts
 Task = tuple[str, int, str]  # (op, round, contender); round -1 is the warm-up
 Timing = tuple[float, float, str]  # (start, end, error or "")
@@ -507,7 +508,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--rounds",
         type=int,
         default=None,
-        help="timed rounds per op (default: 20, --smoke: 3; half, >= 3, for N >= 256)",
+        help=f"timed rounds per op, up to {MAX_ROUNDS} (default: 20, --smoke: 3; half, >= 3, for N >= 256)",
     )
     add(
         "--store",
@@ -591,6 +592,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             p.error(f"{option}: no {option[2:].replace('-', ' ')} given")
     if min(opts.worlds + opts.count_worlds) < 1 or opts.rounds < 1 or opts.payload < 0:
         p.error("world sizes and --rounds must be >= 1, --payload >= 0")
+    if opts.rounds > MAX_ROUNDS:
+        p.error(f"--rounds must be at most {MAX_ROUNDS}, not {opts.rounds}")
     if opts.payload > MAX_PAYLOAD:
         p.error(f"--payload must be at most {MAX_PAYLOAD} bytes (256 MiB), not {opts.payload}")
     why = timeout_error("--timeout", opts.timeout)
