@@ -48,6 +48,9 @@ class CountingStore(dist.Store):
     def __init__(self, inner: dist.Store) -> None:
         super().__init__()
         self.inner: Any = inner  # Any: torch's type stubs lack part of the Store API (append, multi_set, ...)
+        # A blocking call here blocks for the inner store's timeout: say so, as a transparent
+        # wrapper must (callers that match their timeout to the store's read it here).
+        self.set_timeout(inner.timeout)
         self._lock = threading.Lock()
         self._counts: Counter[tuple[int, str]] = Counter()
 
