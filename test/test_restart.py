@@ -629,6 +629,11 @@ sys.path.insert(0, {test_dir!r})
 from helpers import make_cls
 store = dist.TCPStore("127.0.0.1", {port}, is_master=False)
 coll = make_cls({impl!r}, 0)(store, 0, 2, heartbeat_interval=0.05)
+from torch_ctrl import keys as K
+# Ready once the watcher beats on its own connection (a second beat after the constructor's):
+# a server killed while that connection is being opened is another case (torch retries it).
+while int(store.get(K.group_key(2, "hb/0"))) // K.BEAT < 2:
+    time.sleep(0.01)
 print("ready", flush=True)
 sys.stdin.readline()  # the server is gone now
 time.sleep(6.0)  # idle: 120 heartbeats due
