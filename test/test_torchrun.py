@@ -126,3 +126,75 @@ def test_the_launcher_api_runs_the_ctrl_backend() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "RESULTS [(0, (['0', '1'], '0')), (1, (['0', '1'], '0'))]" in out.stdout, out.stdout + out.stderr
     assert "registering out of tree plugin" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        # torchrun's own default (static) becomes c10d --standalone here: ctrl, standalone.
+        (
+            ["--nproc-per-node=1", "w.py"],
+            ["--rdzv-backend=ctrl", "--rdzv-endpoint=localhost:0", "ID", "--nproc-per-node=1", "w.py"],
+        ),
+        (
+            ["--standalone", "w.py", "--standalone"],
+            ["--rdzv-backend=ctrl", "--rdzv-endpoint=localhost:0", "ID", "w.py", "--standalone"],
+        ),
+        (
+            ["--standalone", "--rdzv-backend=ctrl", "w.py"],
+            ["--rdzv-endpoint=localhost:0", "ID", "--rdzv-backend=ctrl", "w.py"],
+        ),
+        # a static-style multi-node command line meets where its nodes would have met
+        (
+            ["--nnodes=2", "--master-addr=10.1.2.3", "w.py"],
+            ["--rdzv-backend=ctrl", "--rdzv-endpoint=10.1.2.3:29400", "--nnodes=2", "--master-addr=10.1.2.3", "w.py"],
+        ),
+        (
+            ["--nnodes=1:2", "--master-port=1234", "w.py"],
+            ["--rdzv-backend=ctrl", "--rdzv-endpoint=127.0.0.1:1234", "--nnodes=1:2", "--master-port=1234", "w.py"],
+        ),
+        (
+            ["--nnodes=1", "--master-port=1234", "w.py"],
+            ["--rdzv-backend=ctrl", "--rdzv-endpoint=127.0.0.1:1234", "--nnodes=1", "--master-port=1234", "w.py"],
+        ),
+        (
+            ["--nnodes=2", "--master-addr=::1", "w.py"],
+            ["--rdzv-backend=ctrl", "--rdzv-endpoint=[::1]:29400", "--nnodes=2", "--master-addr=::1", "w.py"],
+        ),
+        (
+            ["--nnodes=2", "--rdzv-endpoint=h:5", "w.py"],
+            ["--rdzv-backend=ctrl", "--nnodes=2", "--rdzv-endpoint=h:5", "w.py"],
+        ),
+        # another backend: torchrun's own rules, untouched
+        (["--rdzv-backend=c10d", "--standalone", "w.py"], ["--rdzv-backend=c10d", "--standalone", "w.py"]),
+        (["--rdzv-backend=static", "w.py"], ["--rdzv-backend=static", "w.py"]),
+    ],
+)
+def test_launcher_fills_in_what_torchrun_would(argv: list[str], expected: list[str]) -> None:
+    from torch_ctrl.run import torchrun_args
+
+    out = torchrun_args(argv)
+    assert ["ID" if a.startswith("--rdzv-id=") else a for a in out] == expected
+
+
+def test_two_single_node_jobs_on_one_machine_stay_apart() -> None:
+    """Two ``python -m torch_ctrl.run --nproc-per-node=1`` jobs at once (no endpoint, no run
+    id): each is its own job, as with torchrun, not a spare of the other's rendezvous."""
+    from helpers import WORKER, Node
+
+    first = Node(
+        ["--nproc-per-node=1", "--monitor-interval=0.1", WORKER, "node-works", "30"],
+        {"CTRL_TEST_FAIL": "1"},
+        ["-m", "torch_ctrl.run"],
+    )
+    try:
+        first.wait_for("WORKING", 90)
+        second = Node(
+            ["--nproc-per-node=1", "--monitor-interval=0.1", WORKER, "collectives"], {}, ["-m", "torch_ctrl.run"]
+        ).wait(120)
+        assert second.returncode == 0, second.output
+        assert re.search(r"WORKER OK rank=0 round=0", second.output), second.output
+        assert first.proc.poll() is None, first.output  # still working: the two overlapped
+        assert first.wait(120).returncode == 0, first.output
+    finally:
+        first.kill()

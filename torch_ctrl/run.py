@@ -2,8 +2,9 @@
 
 Accepts every torchrun argument. Installs the elastic adapter and agent hooks in this
 process, and uses the ``ctrl`` rendezvous backend unless ``--rdzv-backend`` is given
-(``--standalone`` becomes a single-node ``ctrl`` rendezvous on ``localhost:0``). ``--help``
-says so, above torchrun's own options.
+(``--standalone``, and a one-node command line without an endpoint or ``--master-port``,
+become a single-node ``ctrl`` rendezvous on ``localhost:0``; a ``static``-style command
+line meets at ``--master-addr``). ``--help`` says so, above torchrun's own options.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import argparse
 import sys
 import uuid
 
+BACKEND = "ctrl"
+DEFAULT_PORT = 29400  # the ctrl rendezvous's default port (torch_ctrl.elastic.ctrl_rendezvous)
 PROG = "python -m torch_ctrl.run"
 DESCRIPTION = (
     "torchrun with torch_ctrl: takes every torchrun option and runs torchrun with the 'ctrl' rendezvous "
@@ -19,7 +22,9 @@ DESCRIPTION = (
     "adapter and agent hooks installed: a node that fails tells the others why, every node sees one "
     "round number, and workers can take torch_ctrl.from_env(). --standalone starts a single-node job "
     "with a 'ctrl' rendezvous on localhost, on a free port, under a fresh run id (torchrun's own "
-    "--standalone does the same with 'c10d')."
+    "--standalone does the same with 'c10d'); so does a one-node command line without "
+    "--rdzv-endpoint and --master-port, as in torchrun. Without --rdzv-endpoint, a multi-node "
+    "command line meets at --master-addr:--master-port (default port 29400)."
 )
 EPILOG = (
     "A job hangs? 'torch-ctrl inspect HOST:PORT' on the --rdzv-endpoint shows the rounds, nodes, "
@@ -39,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
         elif action.dest == "standalone":
             action.help = (
                 "Single-node job: a 'ctrl' rendezvous on localhost on a free port with a fresh run id "
-                "(with an explicit --rdzv-backend: torchrun's own --standalone, which uses c10d)."
+                "(with another --rdzv-backend: torchrun's own --standalone, which uses c10d)."
             )
     return out
 
@@ -47,20 +52,47 @@ def parser() -> argparse.ArgumentParser:
 def torchrun_args(argv: list[str]) -> list[str]:
     """torchrun's arguments with the ``ctrl`` defaults applied (parsed by torchrun's own
     parser, so options after the training script are left alone; ``--help`` prints this
-    launcher's help and exits)."""
+    launcher's help and exits).
+
+    * no ``--rdzv-backend``: ``ctrl``;
+    * ``--standalone`` (with ``ctrl``, given or by default): a ``ctrl`` rendezvous on
+      ``localhost:0`` under a fresh run id, where torchrun's own would use ``c10d``;
+    * ``ctrl`` by default and no ``--rdzv-endpoint``, as torchrun's own default (``static``)
+      decides it: at most one node and no ``--master-port`` is a standalone job as above (so
+      two such jobs on one machine stay apart); otherwise the rendezvous is at
+      ``--master-addr:--master-port`` (port 29400 when not given), where the nodes of a
+      ``static`` command line meet.
+    """
     parser_ = parser()
     unset = object()
     parser_.set_defaults(rdzv_backend=unset)
     parsed = parser_.parse_args(argv)
-    if parsed.rdzv_backend is not unset:
+    explicit = parsed.rdzv_backend is not unset
+    if explicit and parsed.rdzv_backend != BACKEND:
         return list(argv)
-    extra = ["--rdzv-backend=ctrl"]
+    extra = [] if explicit else [f"--rdzv-backend={BACKEND}"]
     args = list(argv)
+    standalone = ["--rdzv-endpoint=localhost:0", f"--rdzv-id={uuid.uuid4()}"]
     if parsed.standalone:
         script_at = len(argv) - len(parsed.training_script_args) - 1
         args = [a for i, a in enumerate(argv) if not (a == "--standalone" and i < script_at)]
-        extra += ["--rdzv-endpoint=localhost:0", f"--rdzv-id={uuid.uuid4()}"]
+        extra += standalone
+    elif not explicit and not parsed.rdzv_endpoint:
+        if parsed.master_port is None and _max_nodes(parsed.nnodes) == 1:
+            extra += standalone
+        else:
+            host = parsed.master_addr
+            host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+            extra.append(f"--rdzv-endpoint={host}:{parsed.master_port or DEFAULT_PORT}")
     return extra + args
+
+
+def _max_nodes(nnodes: str) -> int:
+    """The most nodes ``--nnodes`` (``N`` or ``MIN:MAX``) allows; torchrun checks the syntax."""
+    try:
+        return int(str(nnodes).rpartition(":")[2])
+    except ValueError:
+        return 0  # torchrun's own parser reports it
 
 
 def register_backend() -> None:
