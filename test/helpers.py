@@ -541,3 +541,34 @@ def torchrun_two_nodes(
     finally:
         for node in nodes:
             node.kill()
+
+
+@contextlib.contextmanager
+def mute_port() -> Any:
+    """A port on 127.0.0.1 that accepts connections and never answers (a stopped server's
+    process, another service): yields the port; every connection is closed on exit."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind((HOST, 0))
+    listener.listen(64)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        listener.close()
+        for conn in accepted:
+            conn.close()

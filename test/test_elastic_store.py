@@ -352,3 +352,23 @@ def test_the_failure_notice_names_root_causes_before_the_workers_torch_stopped()
     first, second, third = _root_causes_first(failures)
     assert {first[0], second[0]} == {1, 3} and third[0] == 0  # causes by time, then the stopped
     assert first[1].timestamp <= second[1].timestamp
+
+
+@pytest.mark.parametrize(("cause", "aborter"), [(3, 3), (None, 2), (7, 2)])
+def test_the_workers_notice_comes_from_the_rank_that_failed(cause: int | None, aborter: int) -> None:
+    """A failed node aborts its workers' collectives on behalf of the worker whose failure is
+    the root cause (rank 3, not the node's first worker, whom torch only SIGTERMed); a cause
+    that is not one of this node's workers falls back to its first worker."""
+    import torch_ctrl
+    from torch_ctrl import CollectiveAbortedError
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    workers = [SimpleNamespace(global_rank=r, world_size=4) for r in (2, 3)]
+    worker_group = SimpleNamespace(workers=workers, master_addr="127.0.0.1", master_port=server.port)
+    group = SimpleNamespace(worker_namespace="torch_ctrl/run/x/round0")
+    agent._abort_workers(worker_group, group, "node 1 on host h failed: rank 3: exit code 3", cause)
+    peer = dist.PrefixStore(group.worker_namespace, dist.TCPStore("127.0.0.1", server.port, is_master=False))
+    with torch_ctrl.StoreCollectives(peer, 0, 4) as coll, pytest.raises(CollectiveAbortedError) as info:
+        coll.barrier("b", timeout=timedelta(seconds=30))
+    assert info.value.rank == aborter, str(info.value)
+    assert f"aborted by rank {aborter}: node 1 on host h failed" in str(info.value)

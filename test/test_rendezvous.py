@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from helpers import HOST, free_port
+from helpers import HOST, free_port, mute_port
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -362,6 +362,21 @@ def test_unreachable_endpoint_fails_within_join_timeout(capfd: pytest.CaptureFix
     assert "cannot reach the rendezvous store" in msg and "join_timeout=2s" in msg and "\n" not in msg
     assert "refused" in msg.lower(), msg  # the cause a user can act on, not a socket timeout
     assert "Exception raised from" not in capfd.readouterr().err  # no C++ trace per attempt
+
+
+@pytest.mark.timeout(60)
+def test_an_endpoint_that_never_answers_fails_within_join_timeout() -> None:
+    """The endpoint accepts connections but never answers (the hosting agent is stopped, or
+    another service holds the port): torch's handshake would block for ever."""
+    with mute_port() as port:
+        p = RendezvousParameters("ctrl", f"{HOST}:{port}", "mute", 1, 2, is_host=False, join_timeout=2)
+        start = time.monotonic()
+        with pytest.raises(RendezvousConnectionError) as err:
+            create_native_handler(p)
+        took = time.monotonic() - start
+    assert 1.9 < took < 5.0, took
+    msg = str(err.value)
+    assert "join_timeout=2s" in msg and "did not answer" in msg and "\n" not in msg, msg
 
 
 def test_a_client_joins_a_host_that_starts_later() -> None:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch.distributed as dist
-from helpers import HOST, IMPLS, Stores, free_port, make_cls, run_ranks
+from helpers import HOST, IMPLS, Stores, free_port, make_cls, mute_port, run_ranks
 
 import torch_ctrl
 from torch_ctrl import CollectiveTimeoutError, workers
@@ -77,6 +77,44 @@ def test_from_env_without_a_server_fails_in_one_line_at_its_timeout(capfd: pytes
     assert info.value.op == "from_env" and info.value.world_size == 2
     assert 1.0 <= took < 2.5, took
     assert "TCPStore.cpp" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("rank", "world", "port", "match"),
+    [
+        ("2", "2", None, r"RANK must be in \[0, 2\)"),
+        ("-1", "2", None, "RANK must be"),
+        ("0", "0", None, "WORLD_SIZE"),
+        ("0", "2", "99999", "MASTER_PORT must be a port"),
+        ("1", "2", "0", "MASTER_PORT must be a port"),
+    ],
+)
+def test_from_env_checks_rank_and_port_before_connecting(rank: str, world: str, port: str | None, match: str) -> None:
+    """A rank outside the group, or a port that is none, is one ValueError at once: not a wait
+    for a server for the whole timeout (nobody listens here), nor a pybind TypeError."""
+    env = {"MASTER_ADDR": HOST, "MASTER_PORT": port or str(free_port()), "RANK": rank, "WORLD_SIZE": world}
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=match) as info:
+        torch_ctrl.from_env(env=env, timeout=30)
+    assert time.monotonic() - started < 5
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_from_env_on_a_port_that_never_answers_fails_at_its_timeout() -> None:
+    """A port that accepts connections but never answers (the agent hosting the store is
+    stopped, or another service): torch's handshake would wait for ever; from_env ends at its
+    timeout, one line naming the address."""
+    with mute_port() as port:
+        env = {"MASTER_ADDR": HOST, "MASTER_PORT": str(port), "RANK": "1", "WORLD_SIZE": "2"}
+        started = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError) as info:
+            torch_ctrl.from_env(env=env, timeout=2)
+        took = time.monotonic() - started
+    text = str(info.value)
+    assert isinstance(info.value, dist.DistStoreError)
+    assert f"{HOST}:{port}" in text and "did not answer" in text and "\n" not in text, text
+    assert 2.0 <= took < 8.0, took
 
 
 def test_from_env_waits_for_a_server_that_starts_later() -> None:

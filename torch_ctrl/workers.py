@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from .base import ControlCollectives, Timeout, to_seconds
+from .bounded import NoAnswer, within
 from .errors import CollectiveTimeoutError, one_line
 from .keys import escape
 from .lanes import await_server
@@ -97,8 +99,12 @@ def from_env(
 
     Raises:
         ValueError: a variable is missing or malformed (the message names it).
+        ValueError: ``RANK`` is not in ``[0, WORLD_SIZE)`` or ``MASTER_PORT`` is not a port
+            (checked before connecting).
         CollectiveTimeoutError: no server accepted a connection at ``MASTER_ADDR:MASTER_PORT``
-            within ``timeout`` (one line: the address, the last error, who hosts that store).
+            within ``timeout``, or one accepted but did not answer as a TCPStore within it (a
+            stopped process, another service on that port); one line: the address, the last
+            error, who hosts that store.
 
     Example::
 
@@ -107,12 +113,20 @@ def from_env(
     """
     env = os.environ if env is None else env
     rank, world_size = _int_env(env, "RANK"), _int_env(env, "WORLD_SIZE")
+    # Checked before connecting: a rank outside the group would otherwise wait for a server
+    # for the whole timeout, or host one, before the collectives refuse it.
+    if world_size < 1:
+        raise ValueError(f"from_env: WORLD_SIZE must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"from_env: RANK must be in [0, {world_size}) (WORLD_SIZE), got {rank}")
     if store is None:
         addr = env.get("MASTER_ADDR")
         if not addr:
             raise ValueError("from_env: MASTER_ADDR is not set (run under torchrun, or pass store=)")
         agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         port = _int_env(env, "MASTER_PORT")
+        if not 0 < port < 65536:
+            raise ValueError(f"from_env: MASTER_PORT must be a port from 1 to 65535, got {port}")
         seconds = to_seconds(timeout)
         try:
             store = _connect(addr, port, rank == 0 and not agent_store, seconds)
@@ -151,10 +165,17 @@ def _connect(addr: str, port: int, host: bool, seconds: float) -> dist.TCPStore:
     # Wait for the server with plain sockets (it may start later): one that never comes is
     # one line at the timeout, where torch's connect loop retries for twice the timeout and
     # logs every failed attempt with a C++ stack trace.
+    start = time.monotonic()
     exc = await_server(addr, port, seconds)
     if exc is not None:
         raise _NoServer(one_line(str(exc)) or type(exc).__name__)
-    return dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+    # The port accepts connections; a server that then never answers (its process stopped,
+    # or not a TCPStore) would block torch's handshake for ever.
+    left = max(seconds - (time.monotonic() - start), min(seconds, 5.0))
+    try:
+        return within(left, lambda: dist.TCPStore(addr, port, is_master=False, timeout=timeout), f"{addr}:{port}")
+    except NoAnswer as exc:
+        raise _NoServer(str(exc)) from None
 
 
 class _NoServer(Exception):

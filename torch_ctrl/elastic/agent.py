@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from .. import keys as K
 from ..base import ControlCollectives
+from ..bounded import NoAnswer, within
 from ..errors import CollectiveAbortedError, CollectiveTimeoutError, format_ranks
 from ..lanes import peek
 from ..loader import StoreCollectives
@@ -47,6 +48,9 @@ log = logging.getLogger("torch_ctrl.elastic")
 AGENT_PREFIX = "torch_ctrl/agents"
 ACKS = "notice/acks"  # add() by each agent that has read the failure notice
 POLL = 0.5  # seconds between notice checks while workers run
+# Seconds the failure notice may take on top of the linger (TORCH_CTRL_NOTICE_LINGER) before the
+# agent gives up on stores that do not answer and exits.
+NOTIFY_BOUND = 10.0
 MAX_HOSTS_ENV = 32 << 10  # TORCH_CTRL_HOSTS is not exported beyond this size
 
 
@@ -278,16 +282,32 @@ def invoke_run(original: Callable[..., Any], self: Any, *args: Any, **kwargs: An
 
 
 def _announce(agent: Any, group: AgentGroup, result: Any) -> None:
-    codes = ", ".join(_exit(rank, failure) for rank, failure in _root_causes_first(result.failures))
+    causes = _root_causes_first(result.failures)
+    codes = ", ".join(_exit(rank, failure) for rank, failure in causes)
     reason = f"node {group.rank} on host {group.host} failed: {codes or 'workers failed'} (no restarts left)"
     log.error("[%s] torch_ctrl: %s; notifying the other nodes", agent._worker_group.spec.role, reason)
+    linger = _env_seconds("TORCH_CTRL_NOTICE_LINGER", 5.0)
+    # Bounded as a whole: a store whose server accepts connections but never answers (the
+    # agent hosting it stopped, SIGSTOP or a debugger) would block every call below for ever,
+    # and this node would never exit to report its failure.
+    bound = max(linger, 0.0) + NOTIFY_BOUND
+    try:
+        within(bound, lambda: _notify(agent, group, reason, causes[0][0] if causes else None, linger), "the stores")
+    except NoAnswer:
+        log.warning(
+            "torch_ctrl: the failure notice was not delivered within %gs: the rendezvous or workers' store "
+            "does not answer (the agent hosting it stopped or hung?)",
+            bound,
+        )
+
+
+def _notify(agent: Any, group: AgentGroup, reason: str, cause: int | None, linger: float) -> None:
     try:
         group.coll.abort(reason)
     except Exception as exc:  # noqa: BLE001 - the notice is best effort; the failure stands
         log.warning("torch_ctrl: could not post the failure notice: %s", exc)
         return
-    _abort_workers(agent._worker_group, group, reason)
-    linger = _env_seconds("TORCH_CTRL_NOTICE_LINGER", 5.0)
+    _abort_workers(agent._worker_group, group, reason, cause)
     acks = group.linger(linger)
     if acks < group.world_size - 1:
         log.warning("torch_ctrl: %d of %d nodes read the failure notice within %gs", acks, group.world_size - 1, linger)
@@ -317,8 +337,10 @@ def _exit(rank: int, failure: Any) -> str:
     return f"rank {rank}: exit code {code}"
 
 
-def _abort_workers(worker_group: Any, group: AgentGroup, reason: str) -> None:
-    """Abort the workers' collectives of this round, so peers blocked in them fail at once."""
+def _abort_workers(worker_group: Any, group: AgentGroup, reason: str, cause: int | None = None) -> None:
+    """Abort the workers' collectives of this round, so peers blocked in them fail at once;
+    the notice comes from ``cause`` (the global rank whose failure is the root cause), else
+    from this node's first worker."""
     if group.worker_namespace is None or not worker_group.workers or not worker_group.master_addr:
         return
     try:
@@ -330,7 +352,9 @@ def _abort_workers(worker_group: Any, group: AgentGroup, reason: str) -> None:
             wait_for_workers=False,
         )
         first = worker_group.workers[0]
-        coll = StoreCollectives(dist.PrefixStore(group.worker_namespace, client), first.global_rank, first.world_size)
+        ranks = {w.global_rank for w in worker_group.workers}
+        rank = cause if cause in ranks else first.global_rank
+        coll = StoreCollectives(dist.PrefixStore(group.worker_namespace, client), rank, first.world_size)
         try:
             coll.abort(reason)
         finally:

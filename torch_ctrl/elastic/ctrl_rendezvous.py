@@ -34,6 +34,7 @@ for what each node does and why each step costs what it costs.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -50,6 +51,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
+from ..bounded import within
 from ..errors import one_line
 from ..lanes import await_server, turn
 
@@ -203,7 +205,10 @@ def connect(params: Any, config: RendezvousConfig) -> tuple[dist.Store, str, int
             kwargs["use_libuv"] = False
         try:
             with turn():  # torch 2.6-2.7: one thread at a time makes or frees torch stores
-                store = dist.TCPStore(host, port, **kwargs)
+                if server:
+                    store = dist.TCPStore(host, port, **kwargs)
+                else:  # a server that accepts but never answers (stopped) would block for ever
+                    store = within(left, functools.partial(dist.TCPStore, host, port, **kwargs), f"{host}:{port}")
         except (RuntimeError, ValueError, TimeoutError) as exc:
             last = exc
             if server and not explicit:

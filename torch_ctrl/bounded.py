@@ -1,0 +1,55 @@
+"""Calls into torch that a server which accepts connections but never answers would block
+for ever: a TCPStore's process stopped (SIGSTOP, a debugger) or swapping, or a port that is
+not a TCPStore's. torch's client connects, then waits for its handshake's reply with no
+bound, whatever its timeout.
+
+:func:`within` runs such a call on a daemon thread and gives up on it after a bound. The
+thread is left behind, still blocked (nothing can interrupt it), and ends with the
+connection: for the paths that use this, the process is about to report an error and
+usually to exit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class NoAnswer(TimeoutError):
+    """The call did not return within its bound; ``str()`` says which call and how long."""
+
+
+def within(seconds: float, call: Callable[[], T], what: str) -> T:
+    """``call()``'s result or exception, or :class:`NoAnswer` once ``seconds`` have passed.
+
+    Args:
+        seconds: the bound, > 0.
+        call: what to run (typically ``lambda: dist.TCPStore(...)``).
+        what: the call, for the error, e.g. ``"127.0.0.1:29500"``.
+
+    Raises:
+        NoAnswer: ``"{what} accepted a connection but did not answer within {seconds}s"``.
+    """
+    done = threading.Event()
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="torch_ctrl-bounded-call", daemon=True).start()
+    if not done.wait(max(seconds, 0.0)):
+        raise NoAnswer(
+            f"{what} accepted a connection but did not answer within {seconds:g}s "
+            "(its process is stopped or hung, or it is not a TCPStore server)"
+        )
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
