@@ -354,7 +354,7 @@ def test_the_failure_notice_names_root_causes_before_the_workers_torch_stopped()
     assert first[1].timestamp <= second[1].timestamp
 
 
-@pytest.mark.parametrize(("cause", "aborter"), [(3, 3), (None, 2), (7, 2)])
+@pytest.mark.parametrize(("cause", "aborter"), [(3, 3), (0, 0), (None, 2), (7, 2)])
 def test_the_workers_notice_comes_from_the_rank_that_failed(cause: int | None, aborter: int) -> None:
     """A failed node aborts its workers' collectives on behalf of the worker whose failure is
     the root cause (rank 3, not the node's first worker, whom torch only SIGTERMed); a cause

@@ -8,6 +8,8 @@ Modes:
   fail-running SECS  as fail-after 0, but the other workers work (sleep) SECS seconds
   node-works SECS    the workers of the CTRL_TEST_FAIL=1 node print WORKING and work SECS
                      seconds; the other node's workers exit 0 at once
+  lost-node SECS     as node-works, but the other node's workers block in a from_env()
+                     barrier (timeout SECS) that the working node's never join
   flaky-ctrl MARKER  rank 1 exits 3 on the first attempt (no MARKER file yet); then collectives
   flaky-gloo MARKER  the same, then init_process_group("gloo") and an all_reduce
 """
@@ -70,10 +72,14 @@ def main() -> None:
             import torch_ctrl
 
             torch_ctrl.from_env(timeout=60).barrier(timeout=120)
-    elif mode == "node-works":
+    elif mode in ("node-works", "lost-node"):
         if os.environ.get("CTRL_TEST_FAIL") == "1":
             print("WORKING", flush=True)
             time.sleep(float(sys.argv[2]))
+        elif mode == "lost-node":
+            import torch_ctrl
+
+            torch_ctrl.from_env(timeout=60).barrier(key="never", timeout=float(sys.argv[2]))
     elif mode in ("flaky-ctrl", "flaky-gloo"):
         marker = sys.argv[2]
         if os.environ["RANK"] == "1" and not os.path.exists(marker):

@@ -17,7 +17,11 @@ node rank), with heartbeats, and uses it for:
   peer's heartbeat stops) and logs one line naming the failed node.
 
 While workers run, each agent checks for a notice at most every ``POLL`` seconds (one
-store read); on one it stops its workers and fails without restarting. Under the
+store read); on one it stops its workers and fails without restarting. It also watches the
+next node's agent (ring order, one read per half heartbeat interval): a node whose agent's
+heartbeat stops (SIGKILL, its host down) is reported, and the round's workers' collectives
+are aborted naming it, so workers blocked in them fail at once (what follows, restart or
+failure, is torch's ``--max-restarts``). Under the
 ``ctrl`` backend, workers' ``TORCHELASTIC_RESTART_COUNT`` is the rendezvous round.
 """
 
@@ -41,6 +45,7 @@ from ..bounded import NoAnswer, within
 from ..errors import CollectiveAbortedError, CollectiveTimeoutError, format_ranks
 from ..lanes import peek
 from ..loader import StoreCollectives
+from ..watcher import DEAD_AFTER
 from ..workers import ENV_HOSTS, ENV_ROUND, encode_hosts, worker_namespace
 
 log = logging.getLogger("torch_ctrl.elastic")
@@ -74,6 +79,10 @@ class AgentGroup:
     worker_namespace: str | None = None
     next_poll: float = 0.0
     notice: tuple[int, str] | None = None  # (node rank, reason) of a peer's failure notice
+    heartbeat: float | None = None  # this agent's heartbeat interval (None: liveness off)
+    watched: tuple[bytes, float] | None = None  # the next node's counter and when it last moved
+    next_watch: float = 0.0
+    lost: bool = False  # a lost node was reported this round
 
     def host_of(self, rank: int) -> str:
         return self.nodes[rank][0] if 0 <= rank < len(self.nodes) else "?"
@@ -85,6 +94,33 @@ class AgentGroup:
             return None
         rank, reason = K.parse_notice(value)
         return None if rank == self.rank else (rank, reason)
+
+    def lost_neighbour(self, now: float) -> tuple[int, float] | None:
+        """``(node rank, seconds silent)`` when the next node in ring order (``rank + 1``) has
+        an agent whose heartbeat stood still for ``DEAD_AFTER`` of its intervals (the longer
+        of its declared one and this agent's); else None. One store read per half interval,
+        so one per node and half interval for the whole job: every node is watched by one
+        other. A counter that is gone (the agent closed its group) is never lost."""
+        if self.heartbeat is None or self.world_size < 2 or self.lost or now < self.next_watch:
+            return None
+        self.next_watch = now + self.heartbeat / 2
+        rank = (self.rank + 1) % self.world_size
+        value = peek(self.store, K.group_key(self.world_size, f"hb/{rank}"))
+        if value is None or value == b"0":
+            self.watched = None
+            return None
+        if self.watched is None or self.watched[0] != value:
+            self.watched = (value, now)
+            return None
+        silent = now - self.watched[1]
+        interval = max(self.heartbeat, K.beat_interval(value) or 0.0)
+        return (rank, silent) if silent > DEAD_AFTER * interval else None
+
+    def first_rank(self, node: int) -> int | None:
+        """The first global rank of node rank ``node`` (ranks follow node ranks), if known."""
+        if not 0 <= node < len(self.nodes):
+            return None
+        return sum(count for _, count in self.nodes[:node])
 
     def describe(self, rank: int, reason: str) -> str:
         """One line naming the failed node: notices already do; heartbeat losses do not."""
@@ -131,8 +167,9 @@ def _open(agent: Any, store: dist.Store, rank: int, world_size: int) -> AgentGro
     _close(agent)
     prefixed = dist.PrefixStore(AGENT_PREFIX, store)
     heartbeat = _env_seconds("TORCH_CTRL_AGENT_HEARTBEAT", 5.0)
-    coll = StoreCollectives(prefixed, rank, world_size, heartbeat_interval=heartbeat if heartbeat > 0 else None)
-    group = AgentGroup(coll, prefixed, rank, world_size, socket.gethostname())
+    interval = heartbeat if heartbeat > 0 else None
+    coll = StoreCollectives(prefixed, rank, world_size, heartbeat_interval=interval)
+    group = AgentGroup(coll, prefixed, rank, world_size, socket.gethostname(), heartbeat=interval)
     agent._torch_ctrl_group = group
     return group
 
@@ -244,6 +281,8 @@ def monitor_workers(original: Callable[..., Any], self: Any, worker_group: Any) 
         log.debug("torch_ctrl: notice check failed: %s", exc)
         return result
     if notice is None:
+        if result.state == WorkerState.HEALTHY:
+            _check_neighbour(self, worker_group, group, now)
         return result
     line = group.acknowledge(*notice)
     self._remaining_restarts = 0  # the job has failed on another node: restarting cannot help
@@ -251,6 +290,28 @@ def monitor_workers(original: Callable[..., Any], self: Any, worker_group: Any) 
     if result.state != WorkerState.HEALTHY:
         return result
     return RunResult(state=WorkerState.FAILED, failures=_stopped(worker_group, line))
+
+
+def _check_neighbour(agent: Any, worker_group: Any, group: AgentGroup, now: float) -> None:
+    """A node lost without a word (its agent SIGKILLed, its host down) while workers run:
+    abort the workers' collectives of the round, so that workers blocked in them fail at once
+    naming it, instead of waiting out their timeout. What happens next is torch's: the
+    workers that fail end this round (restart or failure, as ``--max-restarts`` says)."""
+    try:
+        lost = group.lost_neighbour(now)
+    except Exception as exc:  # noqa: BLE001 - torch's own store calls will report it
+        log.debug("torch_ctrl: liveness check failed: %s", exc)
+        return
+    if lost is None:
+        return
+    node, silent = lost
+    group.lost = True
+    line = (
+        f"node {node} on host {group.host_of(node)} lost: its agent's heartbeat stopped {silent:.1f}s ago "
+        "(killed, or its host is down)"
+    )
+    log.error("[%s] torch_ctrl: %s; aborting this round's workers' collectives", worker_group.spec.role, line)
+    _abort_workers(worker_group, group, line, group.first_rank(node))
 
 
 def _stopped(worker_group: Any, line: str) -> dict[int, Any]:
@@ -339,8 +400,8 @@ def _exit(rank: int, failure: Any) -> str:
 
 def _abort_workers(worker_group: Any, group: AgentGroup, reason: str, cause: int | None = None) -> None:
     """Abort the workers' collectives of this round, so peers blocked in them fail at once;
-    the notice comes from ``cause`` (the global rank whose failure is the root cause), else
-    from this node's first worker."""
+    the notice comes from ``cause`` (the global rank whose failure is the root cause, or the
+    first rank of a lost node) when it is a rank of the job, else from this node's first worker."""
     if group.worker_namespace is None or not worker_group.workers or not worker_group.master_addr:
         return
     try:
@@ -352,8 +413,7 @@ def _abort_workers(worker_group: Any, group: AgentGroup, reason: str, cause: int
             wait_for_workers=False,
         )
         first = worker_group.workers[0]
-        ranks = {w.global_rank for w in worker_group.workers}
-        rank = cause if cause in ranks else first.global_rank
+        rank = cause if cause is not None and 0 <= cause < first.world_size else first.global_rank
         coll = StoreCollectives(dist.PrefixStore(group.worker_namespace, client), rank, first.world_size)
         try:
             coll.abort(reason)
