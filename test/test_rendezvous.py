@@ -466,7 +466,7 @@ def test_the_registry_creates_the_native_handler() -> None:
 
 class _TurnProbe:
     """``torch.distributed`` as the rendezvous module sees it, recording for each TCPStore and
-    PrefixStore it makes whether the making thread held the process's turn."""
+    PrefixStore it makes whether the process's turn was held."""
 
     def __init__(self, seen: list[tuple[str, bool]]) -> None:
         self._seen = seen
@@ -475,9 +475,7 @@ class _TurnProbe:
         return getattr(dist, name)
 
     def _made(self, kind: str, cls: Any, *args: Any, **kwargs: Any) -> Any:
-        from torch_ctrl import lanes
-
-        self._seen.append((kind, lanes._CONNECT._is_owned()))
+        self._seen.append((kind, _turn_held()))
         return cls(*args, **kwargs)
 
     def TCPStore(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - torch's name
@@ -485,6 +483,19 @@ class _TurnProbe:
 
     def PrefixStore(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - torch's name
         return self._made("PrefixStore", dist.PrefixStore, *args, **kwargs)
+
+
+def _turn_held() -> bool:
+    """Whether the process's turn is held while a store is made: by this thread, or by the
+    thread that waits for this one (a connection bounded by torch_ctrl.bounded.within)."""
+    from torch_ctrl import lanes
+
+    if lanes._CONNECT._is_owned():
+        return True
+    if lanes._CONNECT.acquire(blocking=False):
+        lanes._CONNECT.release()
+        return False
+    return True
 
 
 def test_handlers_make_their_stores_in_the_turn(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from ..lanes import peek
 from ..loader import StoreCollectives
 from ..watcher import DEAD_AFTER
 from ..workers import ENV_HOSTS, ENV_ROUND, encode_hosts, worker_namespace
+from .ctrl_rendezvous import this_host
 
 log = logging.getLogger("torch_ctrl.elastic")
 
@@ -169,7 +169,7 @@ def _open(agent: Any, store: dist.Store, rank: int, world_size: int) -> AgentGro
     heartbeat = _env_seconds("TORCH_CTRL_AGENT_HEARTBEAT", 5.0)
     interval = heartbeat if heartbeat > 0 else None
     coll = StoreCollectives(prefixed, rank, world_size, heartbeat_interval=interval)
-    group = AgentGroup(coll, prefixed, rank, world_size, socket.gethostname(), heartbeat=interval)
+    group = AgentGroup(coll, prefixed, rank, world_size, this_host(), heartbeat=interval)
     agent._torch_ctrl_group = group
     return group
 

@@ -226,8 +226,9 @@ def connect(params: Any, config: RendezvousConfig) -> tuple[dist.Store, str, int
 
 
 @cache
-def _this_host() -> str:
-    """This machine's FQDN, looked up once per process (a stalled resolver costs seconds per lookup)."""
+def this_host() -> str:
+    """This machine's FQDN, looked up once per process (a stalled resolver costs seconds per
+    lookup): the name nodes go by here, in the agents' errors and in torch's failure summary."""
     return socket.getfqdn()
 
 
@@ -385,7 +386,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         self.config = config
         self._store = store
         self._beats = beats if beats is not None else store
-        self._host = host or config.local_addr or _this_host()
+        self._host = host or config.local_addr or this_host()
         self._local_id = next(_local_ids)
         self._root = f"{ROOT}/{config.run_id}"
         self._hb_key = f"{self._root}/hb/{self.node}"
