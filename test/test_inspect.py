@@ -429,7 +429,8 @@ def test_512_ranks_and_thousands_of_finished_ops_in_under_a_second() -> None:
     text = render(report)
     assert len(text.splitlines()) < 30, text
     assert "and 196 more" in text and max(len(line) for line in text.splitlines()) < 400
-    assert "heartbeats: 512/512 ranks beating" in text
+    # Counters that never move (and declare no interval): none is counted as beating.
+    assert "heartbeats: over 0." in text and "s, 0/512 ranks beating, 512 not seen beating yet" in text, text
 
 
 @needs_list_keys
@@ -482,6 +483,22 @@ def test_torchrun_job_stuck_in_a_worker_barrier() -> None:
         assert out.returncode == 0, out.stderr
         assert "torchrun run 'inspectme' (ctrl rendezvous): round 0" in out.stdout
         assert "barrier 'stuck'; 2/3 arrived; blocked: [0, 2]; missing: [1]" in out.stdout, out.stdout
+
+        # docs/inspect.md's example: --prefix of the round's namespace on the rendezvous
+        # endpoint applies to the workers' store it leads to (it found nothing: the prefix
+        # filtered out the rendezvous keys that name that store).
+        namespace = "torch_ctrl/run/inspectme/round0/"
+        cmd = [sys.executable, "-m", "torch_ctrl", "inspect", f"{HOST}:{port}", "--prefix", namespace]
+        out = subprocess.run([*cmd, "--interval", "0", "--timeout", "30"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "torchrun run 'inspectme' (ctrl rendezvous): round 0" in out.stdout, out.stdout
+        assert "barrier 'stuck'; 2/3 arrived; blocked: [0, 2]; missing: [1]" in out.stdout, out.stdout
+        assert "torchrun agents" not in out.stdout and "no torch_ctrl group found" not in out.stdout, out.stdout
+        report = torch_ctrl.inspect(f"{HOST}:{port}", interval=0, timeout=30, prefix=namespace)
+        assert [g["prefix"] for g in report["groups"]] == [namespace], report["groups"]
+        # Another run's namespace: neither this run nor its groups.
+        other = torch_ctrl.inspect(f"{HOST}:{port}", interval=0, timeout=30, prefix="torch_ctrl/run/other/round0/")
+        assert other["torchrun"] == [] and other["groups"] == [], other
     finally:
         node.kill()
 
@@ -575,3 +592,29 @@ def test_foreign_values_are_shown_not_fatal() -> None:
         coll.abort("test over")
         stuck.join(30)
         coll.close()
+
+
+@needs_list_keys
+def test_rendezvous_keep_alive_stale_and_withdrawn_nodes() -> None:
+    """A ctrl rendezvous round's nodes as its keys record them: a fresh keep-alive, one older
+    than the 15 s after which the rendezvous takes a node for dead (it was shown without a
+    word), and one withdrawn (a negative time: it left; it read as 50 years old)."""
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    root, now = "torch_ctrl/rdzv/kept", time.time()
+    nodes = [("gpu-1", 11, f"{now - 1:.3f} 1"), ("gpu-2", 12, f"{now - 20:.3f} 1"), ("gpu-3", 13, f"-{now - 2:.3f} 1")]
+    server.set(f"{root}/0/seal", b"3")
+    for slot, (host, pid, beat) in enumerate(nodes, 1):
+        server.set(f"{root}/0/n/{slot}", f"{host}\t{pid}\t0\t1")
+        server.set(f"{root}/0/rank/{slot}", f"{slot - 1} 3")
+        server.set(f"{root}/hb/{host}_{pid}_0", beat)
+    report = torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0)
+    state = report["torchrun"][0]["state"]
+    fresh, stale, left = state["nodes"]
+    assert fresh["keep_alive_stale"] is False and fresh["keep_alive_age_s"] < 15, fresh
+    assert stale["keep_alive_stale"] is True and stale["keep_alive_age_s"] >= 20, stale
+    assert left.get("withdrawn") is True and "keep_alive_age_s" not in left, left
+    lines = render(report).splitlines()
+    assert any(x.startswith("    node 0: host gpu-1 (agent pid 11), keep-alive ") and "STALE" not in x for x in lines)
+    said = ": STALE (past the 15s after which the rendezvous takes a node for dead, by default)"
+    assert any(x.startswith("    node 1: host gpu-2 (agent pid 12), keep-alive 2") and x.endswith(said) for x in lines)
+    assert "    node 2: host gpu-3 (agent pid 13), withdrew (left the rendezvous)" in lines, lines

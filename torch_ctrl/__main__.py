@@ -8,11 +8,12 @@ classes). ``--help`` after a command describes its options.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 # One line each, shown by --help; every command parses its own options.
 COMMANDS = {
@@ -97,7 +98,12 @@ def inspect_parser() -> argparse.ArgumentParser:
     )
     add("--json", action="store_true", help="print one JSON document (schema torch_ctrl.inspect/1) instead of text")
     add("--watch", action="store_true", help="refresh every --interval seconds until interrupted (Ctrl-C)")
-    add("--prefix", default=None, help="only keys starting with PREFIX (e.g. a from_env() round namespace)")
+    add(
+        "--prefix",
+        default=None,
+        help="only groups whose keys start with PREFIX (e.g. a from_env() round namespace), "
+        "also on the workers' store followed",
+    )
     add(
         "--interval",
         type=float,
@@ -105,7 +111,13 @@ def inspect_parser() -> argparse.ArgumentParser:
         help="seconds between the samples that show which heartbeats move and which ops progress "
         "(default: %(default)s; 0: one sample)",
     )
-    add("--timeout", type=float, default=5.0, help="seconds for connecting and each read (default: %(default)s)")
+    add(
+        "--timeout",
+        type=float,
+        default=5.0,
+        help="seconds for connecting and each read (default: %(default)s); a server that does not answer "
+        "within it (plus 1 s) is reported",
+    )
     add("--no-follow", action="store_true", help="do not inspect the workers' store a torchrun round names")
     return parser
 
@@ -115,9 +127,6 @@ WEEK = 7 * 86400.0  # the longest --interval and --timeout of inspect, seconds
 
 def inspect_main(argv: Sequence[str]) -> int:
     """``torch-ctrl inspect``: print one report, or refresh it in place with ``--watch``."""
-    from .inspect_text import render
-    from .inspection import Inspector, inspect
-
     opts = inspect_parser().parse_args(list(argv))
     if not (0 <= opts.interval <= WEEK and 0 < opts.timeout <= WEEK):  # NaN fails both
         print(
@@ -128,6 +137,43 @@ def inspect_main(argv: Sequence[str]) -> int:
     # torch's TCPStore resolves host names on connect; where DNS drops such queries each try
     # stalls for the resolver timeout (5 s). Only this process's lookups are affected.
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+    with _native_stderr_quiet():
+        return _inspect(opts)
+
+
+@contextlib.contextmanager
+def _native_stderr_quiet() -> Iterator[None]:
+    """Send what native code writes to file descriptor 2 (torch's C++ warnings with their
+    stack traces: a read from a server that went away logs ~15 lines before the error comes
+    back to Python) to /dev/null, while Python's ``sys.stderr`` (this command's one-line
+    errors, warnings, tracebacks) keeps writing to the real stderr."""
+    try:
+        sys.stderr.flush()
+        real = os.dup(2)
+    except (OSError, ValueError):  # no usable fd 2: nothing to quiet
+        yield
+        return
+    previous = sys.stderr
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        sys.stderr = open(real, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        try:
+            sys.stderr.flush()
+        finally:
+            os.dup2(real, 2)
+            sys.stderr.close()
+            sys.stderr = previous
+            os.close(devnull)
+            os.close(real)
+
+
+def _inspect(opts: argparse.Namespace) -> int:
+    from .inspect_text import render
+    from .inspection import Inspector, NoAnswerError, inspect
+
     try:
         if not opts.watch:
             report = inspect(
@@ -157,6 +203,9 @@ def inspect_main(argv: Sequence[str]) -> int:
     except ValueError as exc:
         print(f"{PROG} inspect: {exc}", file=sys.stderr)
         return 2
+    except NoAnswerError as exc:  # names the address itself
+        print(f"{PROG} inspect: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:  # noqa: BLE001 - one line, no stack trace
         from .errors import one_line
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import format_ranks
+from .inspection import KEEP_ALIVE_DEAD_AFTER
 
 MAX_OPS = 20
 
@@ -70,22 +71,36 @@ def _heartbeat_lines(hb: dict[str, Any], world: int) -> list[str]:
     declared = sorted({r["interval_s"] for r in ranks if r.get("interval_s")})
     if declared:  # what the ranks wrote in their counters
         span = f"{declared[0]:.3g}s" if len(declared) == 1 else f"{declared[0]:.3g}-{declared[-1]:.3g}s"
-        interval = f", interval {span}"
+        interval = f" (interval {span})"
     else:
-        interval = f", interval ~{hb['estimated_interval_s']:.2g}s" if hb.get("estimated_interval_s") else ""
-    window = f" over {_secs(hb['window_s'])}" if hb.get("window_s") is not None else " (one sample: ages unknown)"
-    ok = sum(1 for r in ranks if r["status"] == "ok")
-    lines = [f"heartbeats: {len(ranks)}/{world} ranks beating{interval}; {ok} moved{window}"]
+        interval = f" (interval ~{hb['estimated_interval_s']:.2g}s)" if hb.get("estimated_interval_s") else ""
+    by_status: dict[str, list[dict[str, Any]]] = {}
+    for r in ranks:
+        by_status.setdefault(r["status"], []).append(r)
+    if hb.get("window_s") is None:
+        lines = [f"heartbeats{interval}: {len(ranks)}/{world} ranks have a counter (one sample: ages unknown)"]
+    else:
+        # A stopped or late rank is not counted as beating: only counters seen moving are.
+        parts = [f"{len(by_status.get('ok', []))}/{world} ranks beating"]
+        for status, text in (("stopped", "STOPPED"), ("late", "late"), ("unknown", "not seen beating yet")):
+            if by_status.get(status):
+                parts.append(f"{len(by_status[status])} {text}")
+        lines = [f"heartbeats{interval}: over {_secs(hb.get('observed_s', hb['window_s']))}, {', '.join(parts)}"]
     if hb["stopped"]:
         lines.append(f"  STOPPED: {format_ranks(hb['stopped'])}")
-        for r in [r for r in ranks if r["status"] == "stopped"][:16]:
-            lines.append(
-                f"    rank {r['rank']}: no beat for {_secs(r['age_s'])} or more, "
-                f"while others beat {r['others_beats_since']} times"
-            )
-    late = [r["rank"] for r in ranks if r["status"] == "late"]
-    if late:
-        lines.append(f"  not moved yet (others beat 1-2 times; may be a slow interval): {format_ranks(late)}")
+        for r in by_status.get("stopped", [])[:16]:
+            if r.get("interval_s"):
+                why = f"{r['age_s'] / r['interval_s']:.3g} of its {r['interval_s']:.3g}s intervals"
+            else:
+                why = f"while others beat {r['others_beats_since']} times"
+            lines.append(f"    rank {r['rank']}: no beat for {_secs(r['age_s'])} or more, {why}")
+    late = by_status.get("late", [])
+    slow = [r["rank"] for r in late if r.get("interval_s")]
+    if slow:
+        lines.append(f"  late (no beat for over 1.5 of its intervals): {format_ranks(slow)}")
+    undeclared = [r["rank"] for r in late if not r.get("interval_s")]
+    if undeclared:
+        lines.append(f"  not moved yet (others beat 1-2 times; may be a slow interval): {format_ranks(undeclared)}")
     if hb["absent"] and len(hb["absent"]) < world:
         lines.append(f"  no counter (closed, or never started): {format_ranks(hb['absent'])}")
     return lines
@@ -134,8 +149,7 @@ def _run_lines(run: dict[str, Any]) -> list[str]:
         flags = ["complete" if state["complete"] else "gathering nodes"] + (["closed"] if state["closed"] else [])
         lines.append(f"  rendezvous: {', '.join(flags)}; {len(state['nodes'])} node(s)")
         for node in state["nodes"][:16]:
-            beat = f", keep-alive {_secs(node['keep_alive_age_s'])} ago" if "keep_alive_age_s" in node else ""
-            lines.append(f"    node {node['rank']}: host {node['host']} (agent pid {node['pid']}){beat}")
+            lines.append(f"    node {node['rank']}: host {node['host']} (agent pid {node['pid']}){_keep_alive(node)}")
         if len(state["nodes"]) > 16:
             lines.append(f"    and {len(state['nodes']) - 16} more")
         if state["waiting"]:
@@ -146,3 +160,15 @@ def _run_lines(run: dict[str, Any]) -> list[str]:
         err = run.get("workers_store_error")
         lines.append(f"  workers' store: {run['workers_store']}" + (f" ({err})" if err else ""))
     return lines
+
+
+def _keep_alive(node: dict[str, Any]) -> str:
+    if node.get("withdrawn"):
+        return ", withdrew (left the rendezvous)"
+    if "keep_alive_age_s" not in node:
+        return ""
+    text = f", keep-alive {_secs(node['keep_alive_age_s'])} ago"
+    if node.get("keep_alive_stale"):
+        dead_after = f"{KEEP_ALIVE_DEAD_AFTER:g}s"
+        text += f": STALE (past the {dead_after} after which the rendezvous takes a node for dead, by default)"
+    return text

@@ -16,11 +16,17 @@ From that it reports, for every group found (key prefix x world size):
 
 The result is one JSON-serializable dict (schema ``torch_ctrl.inspect/1``, documented in
 ``docs/inspect.md``); :func:`torch_ctrl.inspect_text.render` prints it for humans.
+
+Every store call (connecting included) is bounded: a server that accepts the connection but
+never answers (its process stopped, e.g. a torchrun agent under SIGSTOP or a debugger; or not
+a TCPStore) holds torch's client forever, whatever its timeout, so each call runs on a daemon
+thread and :class:`NoAnswerError` is raised after ``timeout + GRACE`` seconds.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +42,20 @@ from . import rdzv_state as R
 from .lanes import peek
 
 SCHEMA = "torch_ctrl.inspect/1"
-STOPPED_AFTER = 3  # beats of another rank seen while a rank's counter stood still
+# A rank's counter stood still while another rank's moved this many times, or (when the rank
+# declared its interval in its counter) for this many of its intervals: the rank is stopped.
+STOPPED_AFTER = 3
+# inspect() samples until every heartbeat counter moved or stood still long enough to tell
+# (STOPPED_AFTER of its rank's intervals), for at most this many seconds: the torchrun agents
+# beat every 5 s, so one of them is told stopped after 15 s.
+MAX_OBSERVE = 20.0
+# A rendezvous node whose keep-alive is older than this is dead to the rendezvous by default
+# (keep_alive_interval 5 s x keep_alive_max_attempt 3, for c10d's and the ctrl backend alike;
+# the store does not record a run's own settings).
+KEEP_ALIVE_DEAD_AFTER = 15.0
+# Seconds a store call may take past the timeout before it counts as unanswered (a server that
+# accepted the connection but never answers: a process under SIGSTOP or a debugger).
+GRACE = 1.0
 MAX_PROBE_WORLD = 1024  # world sizes probed on stores that cannot list their keys
 # Rank lists (missing, absent) are spelled out up to this world size: a key naming a group of
 # 2^31 ranks (or one torch_ctrl could not have written) must not cost billions of entries.
@@ -49,6 +68,7 @@ _SLOT = re.compile(r"^r(\d+)$")
 _READ_FIELDS = (K.ARRIVE, K.BARRIER, K.EXIT, K.NAMES, K.LOG)
 _AGENTS = "/torch_ctrl/agents/"
 _WORKERS = re.compile(r"^torch_ctrl/run/([^/]+)/(?:round(\d+)|restart(\d+))/$")
+_WORKERS_RUN = re.compile(r"^torch_ctrl/run/([^/]+)/")
 
 StoreLike = Union[dist.Store, str]
 
@@ -113,12 +133,17 @@ def _new_run() -> dict[str, Any]:
     return {"state_key": None, "rounds": set(), "master": {}, "native": []}
 
 
-def _parse(keys: Iterable[str]) -> tuple[dict[tuple[str, int], _GroupKeys], dict[str, dict[str, Any]]]:
-    """Sort keys into groups (prefix, world size) and torchrun runs."""
+def _parse(
+    keys: Iterable[str], prefix: str = ""
+) -> tuple[dict[tuple[str, int], _GroupKeys], dict[str, dict[str, Any]]]:
+    """Sort keys into groups (prefix, world size), only from keys starting with ``prefix``,
+    and torchrun runs (from every key: a run leads to the workers' store ``prefix`` may name)."""
     groups: dict[tuple[str, int], _GroupKeys] = {}
     runs: dict[str, dict[str, Any]] = {}
     for key in keys:
         m = _KEY.match(key)
+        if m is not None and not key.startswith(prefix):
+            continue
         if m is None:
             native = R.split_native(key)
             if native is not None:
@@ -164,6 +189,24 @@ def _parse(keys: Iterable[str]) -> tuple[dict[tuple[str, int], _GroupKeys], dict
     return groups, runs
 
 
+def _run_in(run_id: str, prefix: str) -> bool:
+    """Whether the torchrun run ``run_id`` is shown (and its workers' store followed) under
+    ``prefix``: every run, unless the prefix is one run's namespace (its workers' rounds
+    ``torch_ctrl/run/{run}/``, its agents ``torch.rendezvous.{run}.``, its ctrl rendezvous
+    ``torch_ctrl/rdzv/{run}/``)."""
+    named = _WORKERS_RUN.match(prefix)
+    if named is not None:
+        run = unquote_to_bytes(named.group(1)).decode("utf-8", "replace")
+        return run == run_id
+    split = R.split_native(prefix)
+    if split is not None:
+        return split[0] == run_id
+    split = R.split_key(prefix)
+    if split is not None and split[1] is not None:
+        return split[0] == run_id
+    return True
+
+
 def _all_slots(op: _OpKeys, world: int) -> bool:
     """Every rank's slot is there (a generic all_gather that finished, or that an abort woke)."""
     return not op.fields - {K.EXIT, K.NAMES} and len({r for r in op.slots if 0 <= r < world}) >= world
@@ -176,6 +219,38 @@ def _beats(value: bytes | None) -> int | None:
     if number is None or number < 0:
         return None
     return number // K.BEAT if number >= K.BEAT else number
+
+
+def _beat_status(just_moved: bool, moved: bool, age: float, interval: float | None, others: int) -> str:
+    """One rank's heartbeat status: ``ok`` (seen moving, recently), ``late`` (should have
+    moved by now), ``stopped``, or ``unknown`` (not seen long enough). ``age``: seconds since
+    its counter was seen to move (or first seen); ``others``: other ranks' beats meanwhile.
+
+    A rank that declared its interval is judged by it alone (ranks of one group may beat at
+    different intervals): stopped after STOPPED_AFTER intervals without a move, late after
+    1.5. A counter without one (earlier versions) is judged by the others' beats."""
+    if just_moved:
+        return "ok"
+    if interval is not None:
+        if age >= STOPPED_AFTER * interval:
+            return "stopped"
+        if age > 1.5 * interval:
+            return "late"
+        return "ok" if moved else "unknown"
+    if moved and others == 0:
+        return "ok"
+    if others >= STOPPED_AFTER:
+        return "stopped"
+    return "late" if others > 0 else "unknown"
+
+
+def _declared_interval(value: bytes | None) -> float | None:
+    """The interval (seconds) a rank declared in its heartbeat counter; None for a counter
+    without one (below ``K.BEAT``: one by one, as earlier versions counted)."""
+    number = _int(value)
+    if number is None or number < K.BEAT:
+        return None
+    return K.beat_interval(value or b"")
 
 
 def _int(value: bytes | None) -> int | None:
@@ -298,11 +373,85 @@ def _classify(world: int, op: _OpKeys, values: dict[str, bytes | None], key_of: 
 
 # ------------------------------------------------------------------------------ reading
 
+_STOPPED = "a stopped or hung process, e.g. a torchrun agent under SIGSTOP or a debugger"
+
+
+class NoAnswerError(dist.DistStoreError):
+    """A store call was not answered within the inspection's timeout (plus :data:`GRACE`):
+    the server accepted the connection but never answered (its process is stopped or hung,
+    or it is not a TCPStore). torch's TCPStore client waits for such an answer forever,
+    whatever its timeout."""
+
+
+class _Caller:
+    """Runs the store calls of one connection, each on a daemon thread of its own, and waits
+    for each at most ``timeout + GRACE`` seconds: then :class:`NoAnswerError`. The thread
+    stays blocked in the call (with the connection) until the server answers or goes away;
+    meanwhile every later call on that connection fails at once (it would queue behind the
+    unanswered one)."""
+
+    def __init__(self, address: str, timeout: float) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._unanswered: tuple[threading.Event, float] | None = None  # (done, started)
+
+    def call(self, fn: Any, *args: Any, connecting: bool = False) -> Any:
+        if self._unanswered is not None:
+            done, started = self._unanswered
+            if not done.is_set():
+                waited = time.monotonic() - started
+                raise NoAnswerError(f"{self.address} has not answered a store call for {waited:.0f}s ({_STOPPED})")
+            self._unanswered = None
+        finished = threading.Event()
+        box: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                box.append((True, fn(*args)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box.append((False, exc))
+            finally:
+                finished.set()
+
+        started = time.monotonic()
+        threading.Thread(target=run, name=f"torch_ctrl inspect {self.address}", daemon=True).start()
+        if not finished.wait(self.timeout + GRACE):
+            self._unanswered = (finished, started)
+            if connecting:
+                raise NoAnswerError(
+                    f"{self.address} accepted a connection but did not answer within {self.timeout:g}s "
+                    f"({_STOPPED}, or not a TCPStore)"
+                )
+            raise NoAnswerError(f"{self.address} did not answer a read within {self.timeout:g}s ({_STOPPED})")
+        ok, value = box[0]
+        if ok:
+            return value
+        raise value
+
+
+class _Bounded:
+    """A store whose calls that reach its server run through a :class:`_Caller` (bounded);
+    everything else (``timeout``, ``set_timeout``) is the store's own."""
+
+    _CALLS = frozenset({"get", "check", "multi_get", "list_keys", "num_keys", "compare_set"})
+
+    def __init__(self, store: dist.Store, caller: _Caller) -> None:
+        self.store = store
+        self._caller = caller
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.store, name)
+        if name in self._CALLS:
+            return lambda *args: self._caller.call(attr, *args)
+        return attr
+
 
 def _clone(store: dist.Store, timeout: float) -> dist.Store:
     """A connection of our own (so its timeout can be set), or the store itself."""
     try:
-        mine = store.clone()
+        mine = _Caller(_address(store), timeout).call(store.clone, connecting=True)
+    except NoAnswerError:
+        raise
     except Exception:  # noqa: BLE001 - stores without clone() are read as they are
         return store
     try:
@@ -327,6 +476,8 @@ def read_values(store: dist.Store, keys: Sequence[str], owned: bool = False) -> 
             if store.check(batch):
                 out.update(zip(batch, _read_existing(store, batch, owned)))
                 continue
+        except NoAnswerError:
+            raise
         except Exception:  # noqa: BLE001 - a key went away in between: read one by one
             pass
         for key in batch:
@@ -356,14 +507,20 @@ def _read_one(store: dist.Store, key: str, owned: bool = False) -> bytes | None:
     if owned:
         try:
             return _read_existing(store, [key], owned)[0] if store.check([key]) else None
+        except NoAnswerError:
+            raise
         except Exception:  # noqa: BLE001 - deleted between check and read
             return None
     try:
         return peek(store, key)
+    except NoAnswerError:
+        raise
     except Exception:  # noqa: BLE001 - stores without compare_set
         pass
     try:
         return bytes(store.get(key)) if store.check([key]) else None
+    except NoAnswerError:
+        raise
     except Exception:  # noqa: BLE001 - deleted between check and get
         return None
 
@@ -372,6 +529,8 @@ def list_keys(store: dist.Store) -> list[str] | None:
     """Every key of the store, or ``None`` when the store cannot list them."""
     try:
         return list(store.list_keys())
+    except NoAnswerError:
+        raise
     except Exception:  # noqa: BLE001 - older torch, Python stores
         return None
 
@@ -389,6 +548,8 @@ def _probe_keys(store: dist.Store, prefix: str) -> list[str]:
             if store.check([hb0]):
                 beats = [prefix + K.group_key(world, f"hb/{r}") for r in range(world)]
                 found += [k for k in beats if store.check([k])]
+        except NoAnswerError:
+            raise
         except Exception:  # noqa: BLE001 - nothing more to find
             break
     return found
@@ -420,9 +581,10 @@ class Inspector:
 
     ``store``: a ``torch.distributed.Store`` (only read, never written; its timeout is not
     changed) or ``"HOST:PORT"`` of a TCPStore server, which is joined as a client.
-    ``prefix``: only keys starting with it. ``follow``: also inspect the workers' store a
-    torchrun round names (``MASTER_ADDR``/``MASTER_PORT``). ``timeout``: seconds for
-    connecting and for each read.
+    ``prefix``: only groups whose keys start with it (here and on the workers' store).
+    ``follow``: also inspect the workers' store a torchrun round names. ``timeout``: seconds
+    for connecting and for each read; a call not answered within ``timeout`` plus ``GRACE``
+    raises ``NoAnswerError`` (a ``torch.distributed.DistStoreError``).
     """
 
     def __init__(
@@ -433,7 +595,7 @@ class Inspector:
         self._source = store
         self._store = self._connect()
         # A connection of ours (its timeout may be changed for a read), not the caller's store.
-        self._owned = isinstance(store, str) or self._store is not store
+        self._owned = isinstance(store, str) or self._store.store is not store
         self._prefix = prefix or ""
         self._follow = follow
         self._ops: dict[tuple[str, str, int, str], _Seen] = {}
@@ -441,9 +603,11 @@ class Inspector:
         self._linked: dict[str, Inspector | str] = {}
         self._samples: list[float] = []
 
-    def _connect(self) -> dist.Store:
+    def _connect(self) -> _Bounded:
+        """The connection (the caller's store, or a clone of it), every read of it bounded."""
         source = self._source
-        return connect(source, self._timeout) if isinstance(source, str) else _clone(source, self._timeout)
+        store = connect(source, self._timeout) if isinstance(source, str) else _clone(source, self._timeout)
+        return _Bounded(store, _Caller(self.address, self._timeout))
 
     def _num_keys(self) -> int | None:
         """The store's key count, on a new connection of ours when the server dropped the last
@@ -451,12 +615,16 @@ class Inspector:
         its wait (a live job's cleanup), and every later sample would read nothing."""
         try:
             return int(self._store.num_keys())
+        except NoAnswerError:
+            raise
         except Exception as exc:  # noqa: BLE001 - not every store counts
             if not (self._owned and lanes.connection_lost(exc)):
                 return None
         self._store = self._connect()
         try:
             return int(self._store.num_keys())
+        except NoAnswerError:
+            raise
         except Exception:  # noqa: BLE001 - as above
             return None
 
@@ -492,8 +660,8 @@ class Inspector:
                 + (f" under prefix {self._prefix!r}" if self._prefix else " (use --prefix for a namespace)")
             )
             keys = _probe_keys(store, self._prefix)
-        keys = [k for k in keys if k.startswith(self._prefix)]
-        groups, runs = _parse(keys)
+        groups, runs = _parse(keys, self._prefix)
+        runs = {run_id: run for run_id, run in runs.items() if _run_in(run_id, self._prefix)}
         wanted: list[str] = []
         for g in groups.values():
             root = f"{g.prefix}{K.group_root(g.world)}/"
@@ -514,7 +682,7 @@ class Inspector:
                 run["current"], native_keys = R.native_keys_to_read(run_id, run["native"])
                 wanted += native_keys
         values = read_values(store, wanted, self._owned)
-        report["torch_ctrl_keys"] = sum(1 for k in keys if _KEY.match(k))
+        report["torch_ctrl_keys"] = sum(1 for k in keys if k.startswith(self._prefix) and _KEY.match(k))
         for _, g in sorted(groups.items()):
             report["groups"].append(self._group(g, values, now))
         _mark_other_world_sizes(report["groups"])
@@ -611,19 +779,15 @@ class Inspector:
             base = hist.values[at]
             others = max((v - base[o] for o, v in current.items() if o != r and o in base), default=0)
             age_max = now - hist.times[at - 1] if moved else None
-            if (moved and at == index) or (moved and others == 0):
-                status = "ok"
-            elif others >= STOPPED_AFTER:
-                status = "stopped"
+            interval = _declared_interval(raw[r])
+            status = _beat_status(moved and at == index, moved, now - hist.times[at], interval, others)
+            if status == "stopped":
                 stopped.append(r)
-            else:
-                status = "late" if others > 0 else "unknown"
             ranks.append(
                 {
                     "rank": r,
                     "count": current[r],
-                    # The interval the rank declared in its counter (None: a counter without one).
-                    "interval_s": K.beat_interval(raw[r] or b""),
+                    "interval_s": interval,
                     "age_s": round(now - hist.times[at], 3),
                     "age_max_s": None if age_max is None else round(age_max, 3),
                     "others_beats_since": others,
@@ -642,6 +806,7 @@ class Inspector:
             if moved_now and max(moved_now) > 1 and window
             else None,
             "window_s": None if window is None else round(window, 3),
+            "observed_s": round(now - hist.times[0], 3),
         }
 
     @staticmethod
@@ -657,6 +822,7 @@ class Inspector:
         if run["native"]:
             backend = "ctrl"
             state = R.decode_native(run_id, run.get("current"), values, time.time())
+            _mark_withdrawn(run_id, run.get("current"), state, values)
             master = R.native_workers_store(run_id, run.get("current"), values)
         else:
             backend = "c10d"
@@ -668,6 +834,9 @@ class Inspector:
                 if addr and port and port.isdigit():
                     master = f"{addr.decode('utf-8', 'replace')}:{int(port)}"
                     break
+        for node in (state or {}).get("nodes", []) + (state or {}).get("waiting", []):
+            if "keep_alive_age_s" in node:
+                node["keep_alive_stale"] = node["keep_alive_age_s"] > KEEP_ALIVE_DEAD_AFTER
         current = (state or {}).get("round")
         if current is None and run["rounds"]:
             current = max(run["rounds"])
@@ -705,6 +874,8 @@ class Inspector:
             return linked
         try:
             sub = linked.sample()
+        except NoAnswerError as exc:  # names the address itself
+            return str(exc)
         except Exception as exc:  # noqa: BLE001 - reported, the rest of the report stands
             return f"cannot read {master}: {_one_line(exc)}"
         report["groups"] += sub["groups"]
@@ -720,10 +891,27 @@ class Inspector:
         errors = []
         for address in candidates:
             try:
-                return Inspector(address, follow=False, timeout=min(self._timeout, 3.0))
+                return Inspector(address, prefix=self._prefix, follow=False, timeout=min(self._timeout, 3.0))
+            except NoAnswerError as exc:  # the name resolved and the port accepted: no other to try
+                return str(exc)
             except Exception as exc:  # noqa: BLE001 - try the next address
                 errors.append(f"{address}: {_one_line(exc)}")
         return "cannot connect to the workers' store (" + "; ".join(errors) + ")"
+
+
+def _mark_withdrawn(run_id: str, current: int | None, state: dict[str, Any], values: dict[str, bytes | None]) -> None:
+    """Nodes of the ctrl rendezvous whose heartbeat is negative (they left: it holds minus the
+    time they did) get ``withdrawn`` instead of a keep-alive age."""
+    root = f"{R.NATIVE_ROOT}{run_id}"
+    for node in state.get("nodes", []) + state.get("waiting", []):
+        record = values.get(f"{root}/{current}/n/{node.get('slot')}")
+        fields = (record or b"").decode("utf-8", "replace").split("\t")
+        if len(fields) < 3:
+            continue
+        beat = values.get(f"{root}/hb/{fields[0]}_{fields[1]}_{fields[2]}") or b""
+        if beat.startswith(b"-"):
+            node.pop("keep_alive_age_s", None)
+            node["withdrawn"] = True
 
 
 def _mark_other_world_sizes(groups: list[dict[str, Any]]) -> None:
@@ -764,7 +952,12 @@ def connect(address: str, timeout: float = 5.0) -> dist.TCPStore:
     # An address nothing listens on fails at once, in one line (torch's connect would retry it
     # for the whole timeout and print C++ stack traces).
     lanes.reach(host.strip("[]"), int(port), timeout)
-    return dist.TCPStore(host.strip("[]"), int(port), None, False, timedelta(seconds=timeout), wait_for_workers=False)
+    # A server that accepts the connection but never answers (stopped, hung, or not a
+    # TCPStore) would hold torch's constructor forever: NoAnswerError after timeout + GRACE.
+    name, number, wait = host.strip("[]"), int(port), timedelta(seconds=timeout)
+    return _Caller(address, timeout).call(
+        lambda: dist.TCPStore(name, number, None, False, wait, wait_for_workers=False), connecting=True
+    )
 
 
 def inspect(
@@ -780,15 +973,25 @@ def inspect(
     Args:
         store: a ``torch.distributed.Store`` (TCPStore, PrefixStore, HashStore, FileStore, a
             Python store), or ``"HOST:PORT"`` of a TCPStore server to join as a client.
-        interval: seconds between the two samples that show which heartbeats move and
-            which ops make no progress; ``0`` takes one sample (heartbeat ages unknown).
-            When a rank's heartbeat stood still while others beat fewer than 3 times, up
-            to 3 more samples are taken, ``interval`` apart, to tell a stopped rank from a
-            slow heartbeat.
-        prefix: only keys starting with it (a ``from_env()`` round, a PrefixStore's
-            prefix); on stores that cannot list their keys, where to probe.
+        interval: seconds between samples (at least two) that show which heartbeats move
+            and which ops make no progress; ``0`` takes one sample (heartbeat ages unknown).
+            While a rank's heartbeat counter has neither moved nor stood still for 3 of the
+            intervals its rank declared, more samples are taken, ``interval`` apart, for at
+            most ``MAX_OBSERVE`` (20) seconds: the torchrun agents beat every 5 s, so a
+            dead agent is told after 15 s, a live one once its counter moves. (A counter
+            without a declared interval, as earlier versions wrote: at most 3 more samples,
+            while other ranks beat.)
+        prefix: only groups whose keys start with it (a ``from_env()`` round, a
+            PrefixStore's prefix), on ``store`` and on the workers' store a torchrun round
+            names; torchrun runs are still found (and shown, unless ``prefix`` is another
+            run's namespace). On stores that cannot list their keys, where to probe.
         follow: also inspect the workers' store named by a torchrun round.
-        timeout: seconds for connecting and for each read.
+        timeout: seconds for connecting and for each read. A call that the server does not
+            answer within ``timeout`` plus ``GRACE`` (1) seconds (its process stopped or
+            hung, or not a TCPStore: torch's client would wait forever) raises
+            ``torch_ctrl.inspection.NoAnswerError``; on the followed workers' store, it is reported in
+            ``workers_store_error`` instead. The call's thread (a daemon) stays blocked in it
+            until the server answers or goes away.
 
     Returns:
         A JSON-serializable dict, schema ``torch_ctrl.inspect/1`` (``docs/inspect.md``):
@@ -798,6 +1001,8 @@ def inspect(
     Raises:
         ValueError: ``store`` is a string that is not ``HOST:PORT``.
         torch.distributed.DistNetworkError: the server cannot be reached.
+        torch.distributed.DistStoreError: ``torch_ctrl.inspection.NoAnswerError``, a subclass:
+            the server did not answer within ``timeout`` (plus ``GRACE``).
 
     Example::
 
@@ -810,14 +1015,24 @@ def inspect(
     report = insp.sample()
     if interval <= 0:
         return report
-    for _ in range(4):
+    while True:
         time.sleep(interval)  # what moves is only seen across samples: nothing to wait on
         report = insp.sample()
         if not _undecided(report):
-            break
-    return report
+            return report
 
 
 def _undecided(report: dict[str, Any]) -> bool:
-    """Whether some rank's heartbeat stood still without enough evidence yet."""
-    return any(r["status"] == "late" for g in report["groups"] if g["heartbeats"] for r in g["heartbeats"]["ranks"])
+    """Whether another sample may tell more: a rank whose heartbeat was not seen moving yet
+    nor stood still long enough to be stopped (with a declared interval: for at most
+    MAX_OBSERVE seconds of sampling; a counter without one: while other ranks beat, for at
+    most 4 samples after the first)."""
+    observed, samples = report["observed_s"], report["samples"]
+    for g in report["groups"]:
+        for r in (g["heartbeats"] or {}).get("ranks", []):
+            if r["interval_s"] is not None:
+                if r["status"] in ("late", "unknown") and observed < MAX_OBSERVE:
+                    return True
+            elif r["status"] == "late" and samples < 5:
+                return True
+    return False
