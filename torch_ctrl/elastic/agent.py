@@ -169,7 +169,9 @@ def _open(agent: Any, store: dist.Store, rank: int, world_size: int) -> AgentGro
     heartbeat = _env_seconds("TORCH_CTRL_AGENT_HEARTBEAT", 5.0)
     interval = heartbeat if heartbeat > 0 else None
     coll = StoreCollectives(prefixed, rank, world_size, heartbeat_interval=interval)
-    group = AgentGroup(coll, prefixed, rank, world_size, this_host(), heartbeat=interval)
+    # The name the rendezvous records for this node: --local-addr when given, else the FQDN.
+    host = getattr(getattr(getattr(agent, "_worker_group", None), "spec", None), "local_addr", None) or this_host()
+    group = AgentGroup(coll, prefixed, rank, world_size, host, heartbeat=interval)
     agent._torch_ctrl_group = group
     return group
 
