@@ -199,6 +199,20 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_acquire gil;
     return err->matches(PyExc_KeyboardInterrupt) || err->matches(PyExc_SystemExit);
   };
+  // A Python-written store's exception arrives as error_already_set, whose text alone cannot
+  // tell a lost connection: its type does, as lanes.connection_lost reads it in the Python
+  // twin (torch's DistNetworkError, or a ConnectionError). The classes are looked up here, at
+  // import, with the GIL held, and kept for the life of the process.
+  static py::handle dist_network_error =
+      py::object(py::module_::import("torch.distributed").attr("DistNetworkError")).release();
+  torch_ctrl::python_network_error = [](const std::exception& exc) {
+    const auto* err = dynamic_cast<const py::error_already_set*>(&exc);
+    if (err == nullptr || finalizing()) {
+      return false;  // not a Python exception (or no Python left to ask): the text decides
+    }
+    py::gil_scoped_acquire gil;
+    return err->matches(dist_network_error) || err->matches(PyExc_ConnectionError);
+  };
   torch_ctrl::python_read_counter = [](c10d::Store& store, const std::string& key) -> int64_t {
     py::gil_scoped_acquire gil;
     py::object obj = py::cast(c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store));
@@ -325,6 +339,8 @@ PYBIND11_MODULE(_C, m) {
   // The collective methods take the Python arguments as they come (csrc/arguments.h converts
   // them, as torch_ctrl/base.py's helpers do), with the Python signatures and defaults: the
   // Python class binds them to its instances directly, so a call runs no Python code of ours.
+  // Each checks its arguments in the order of its parameters (key, data, timeout, block), as
+  // the Python twin does: with two bad arguments, both raise about the same one.
   py::object no_key = py::none();
   py::object default_timeout = arguments::base().attr("DEFAULT_TIMEOUT");
   // Each method's docstring is ControlCollectives' (what help(coll.barrier) shows), kept for
@@ -373,8 +389,8 @@ PYBIND11_MODULE(_C, m) {
           "broadcast_send",
           [](StoreCollectives& s, py::handle key, py::handle data, py::handle timeout) {
             check_owner(s, "broadcast_send");
-            std::string d = arguments::data(data);
             Key k = arguments::key(key);
+            std::string d = arguments::data(data);
             double t = arguments::seconds(timeout);
             named(s, [&] { return nogil([&] { s.broadcast_send(k, d, t); }); });
           },
@@ -395,8 +411,8 @@ PYBIND11_MODULE(_C, m) {
           "gather_send",
           [](StoreCollectives& s, py::handle key, py::handle data, py::handle timeout) {
             check_owner(s, "gather_send");
-            std::string d = arguments::data(data);
             Key k = arguments::key(key);
+            std::string d = arguments::data(data);
             double t = arguments::seconds(timeout);
             named(s, [&] { return nogil([&] { s.gather_send(k, d, t); }); });
           },
@@ -406,8 +422,8 @@ PYBIND11_MODULE(_C, m) {
           "gather_recv",
           [](StoreCollectives& s, py::handle key, py::handle data, py::handle timeout) {
             check_owner(s, "gather_recv");
-            std::string d = arguments::data(data);
             Key k = arguments::key(key);
+            std::string d = arguments::data(data);
             double t = arguments::seconds(timeout);
             std::vector<std::string> out = named(s, [&] { return nogil([&] { return s.gather_recv(k, d, t); }); });
             return to_list(out);
@@ -418,8 +434,8 @@ PYBIND11_MODULE(_C, m) {
           "scatter_send",
           [](StoreCollectives& s, py::handle key, py::handle data, py::handle timeout) {
             check_owner(s, "scatter_send");
-            std::vector<std::string> d = arguments::data_list(data, s.world_size());
             Key k = arguments::key(key);
+            std::vector<std::string> d = arguments::data_list(data, s.world_size());
             double t = arguments::seconds(timeout);
             std::string out = named(s, [&] { return nogil([&] { return s.scatter_send(k, d, t); }); });
             return py::bytes(out);
@@ -441,8 +457,8 @@ PYBIND11_MODULE(_C, m) {
           "all_gather",
           [](StoreCollectives& s, py::handle key, py::handle data, py::handle timeout) {
             check_owner(s, "all_gather");
-            std::string d = arguments::data(data);
             Key k = arguments::key(key);
+            std::string d = arguments::data(data);
             double t = arguments::seconds(timeout);
             torch_ctrl::Gathered out = named(s, [&] { return nogil([&] { return s.all_gather(k, d, t); }); });
             py::list values(out.values.size());  // one bytes object per rank, copied from the log
@@ -457,8 +473,8 @@ PYBIND11_MODULE(_C, m) {
           "all_sum",
           [](StoreCollectives& s, py::handle key, py::handle data, py::handle timeout) {
             check_owner(s, "all_sum");
-            int64_t d = arguments::int64(data);
             Key k = arguments::key(key);
+            int64_t d = arguments::int64(data);
             double t = arguments::seconds(timeout);
             return named(s, [&] { return nogil([&] { return s.all_sum(k, d, t); }); });
           },

@@ -295,9 +295,15 @@ std::string lost_text(const std::string& server, const std::string& text) {
   return "the connection to the store's server " + server + " was lost: " + text;
 }
 
+std::function<bool(const std::exception&)> python_network_error;
+
 bool connection_lost(const std::exception& exc) {
-  // Twin of lanes.connection_lost.
+  // Twin of lanes.connection_lost: by type first (torch's C++ DistNetworkError, or a
+  // Python-written store's DistNetworkError / ConnectionError), then by text.
   if (dynamic_cast<const c10::DistNetworkError*>(&exc) != nullptr) {
+    return true;
+  }
+  if (python_network_error && python_network_error(exc)) {
     return true;
   }
   std::string text = exc.what();

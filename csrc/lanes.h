@@ -38,6 +38,10 @@ extern std::function<int64_t(c10d::Store&, const std::string&)> python_read_coun
 // (KeyboardInterrupt, SystemExit): it goes to the caller as it is, not as a store error.
 extern std::function<bool(const std::exception&)> python_interrupt;
 
+// Whether a store call's exception is a Python-written store's DistNetworkError or
+// ConnectionError (by type, as the Python twin tells them): a lost connection.
+extern std::function<bool(const std::exception&)> python_network_error;
+
 // Whether a store error means the connection is gone (the server died or restarted, or it
 // dropped this connection).
 bool connection_lost(const std::exception& exc);

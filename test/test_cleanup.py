@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -193,3 +194,72 @@ def test_a_counter_deleted_under_a_quiet_read_reads_as_absent(twin: str, libuv: 
     # connection: a few dozen a second where its reverse lookups stall).
     assert churns[0] > 100 and len(reads) >= 10
     assert set(reads) <= {b"3", None}
+
+
+@pytest.mark.parametrize("kind", ["tcp", "hash", "python", "prefix", "prefix_python"])
+def test_a_group_of_one_leaves_nothing_in_the_store(impl: str, kind: str) -> None:
+    """Sends and exchanges in a group of one rank skip the store: gather_send too (its slot
+    would be read by nobody, and stay for good)."""
+    stores = Stores(kind)
+    before = stores.admin.num_keys()
+    with make(impl, stores.client(0), 0, 1) as coll:
+        coll.broadcast_send("b", b"x")
+        assert coll.scatter_send("s", [b"x"]) == b"x"
+        assert coll.all_gather("a", b"x") == [b"x"]
+        assert coll.all_sum("n", 3) == 3
+        coll.barrier("r")
+        coll.barrier("nb", block=False)
+        coll.gather_send("g", b"x")
+    time.sleep(0.2)  # anything the watcher would still delete
+    left = stores.server.list_keys() if hasattr(stores, "server") else stores.admin.num_keys()
+    assert stores.admin.num_keys() == before, left
+
+
+@pytest.mark.parametrize(
+    "flush_timeout", [timedelta(seconds=1), 1, 0.5, 0, 10**400], ids=["timedelta", "1", "0.5", "0", "10**400"]
+)
+def test_close_takes_a_timedelta_or_seconds_like_every_timeout(impl: str, flush_timeout: object) -> None:
+    stores = Stores("tcp")
+    coll = make(impl, stores.client(0), 0, 1, heartbeat_interval=0.05)
+    coll.close(flush_timeout)  # type: ignore[arg-type]
+    time.sleep(0.3)
+    assert not [k for k in stores.server.list_keys() if "/hb/" in k]  # its heartbeat is dropped
+
+
+@pytest.mark.parametrize(
+    "flush_timeout, exc, message",
+    [
+        ("x", TypeError, "flush_timeout must be a timedelta or seconds, got str"),
+        (None, TypeError, "flush_timeout must be a timedelta or seconds, got NoneType"),
+        (True, TypeError, "flush_timeout must be a timedelta or seconds, got bool"),
+        (-1, ValueError, "flush_timeout must be >= 0, got -1"),
+        (float("nan"), ValueError, "flush_timeout must be >= 0, got nan"),
+        (
+            timedelta(seconds=-1),
+            ValueError,
+            "flush_timeout must be >= 0, got datetime.timedelta(days=-1, seconds=86399)",
+        ),
+    ],
+    ids=["str", "None", "bool", "negative", "nan", "negative-timedelta"],
+)
+def test_close_refuses_a_bad_flush_timeout_before_doing_anything(
+    impl: str, flush_timeout: object, exc: type, message: str
+) -> None:
+    """The same TypeError/ValueError as every timeout, naming the parameter, in both twins; and
+    raised before anything is stopped: the instance stays open (heartbeats go on, collectives
+    work) until a close() that is right."""
+    stores = Stores("tcp")
+    coll = make(impl, stores.client(0), 0, 1, heartbeat_interval=0.05)
+    threads = threading.active_count()
+    with pytest.raises(exc) as info:
+        coll.close(flush_timeout)  # type: ignore[arg-type]
+    assert str(info.value) == message
+    (hb,) = [k for k in stores.server.list_keys() if "/hb/" in k]
+    first = stores.server.add(hb, 0)
+    time.sleep(0.3)
+    assert stores.server.add(hb, 0) > first  # still beating
+    assert threading.active_count() == threads
+    assert coll.all_sum("still-open", 2) == 2
+    coll.close()
+    time.sleep(0.3)
+    assert not [k for k in stores.server.list_keys() if "/hb/" in k]

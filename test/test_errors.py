@@ -797,3 +797,112 @@ def test_a_send_to_a_server_that_died_names_the_op(impl: str, method: str, kwarg
         assert isinstance(exc, torch_ctrl.CollectiveError), repr(exc)
         assert str(exc).startswith(f"{method} 'k") and "store unreachable" in str(exc) and "\n" not in str(exc)
     coll.close(0.5)
+
+
+class _Unreachable(DictStore):
+    """A Python-written store whose backend is down (torch's EtcdStore when etcd is): its calls
+    raise torch's own DistNetworkError, or a socket's ConnectionError."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__()
+        self.exc: BaseException | None = None
+        self._raise = exc
+
+    def down(self) -> None:
+        self.exc = self._raise
+
+    def _check(self) -> None:
+        if self.exc is not None:
+            raise type(self.exc)(*self.exc.args)
+
+    def set(self, key: str, value: object) -> None:
+        self._check()
+        super().set(key, value)  # type: ignore[arg-type]
+
+    def add(self, key: str, value: int) -> int:
+        self._check()
+        return super().add(key, value)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._check()
+        super().wait(keys, timeout)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [dist.DistNetworkError("etcd cluster is unavailable"), ConnectionResetError(104, "Connection reset by peer")],
+    ids=["DistNetworkError", "ConnectionResetError"],
+)
+@pytest.mark.parametrize("method, kwargs", FAILING_CALLS + [("broadcast_recv", {})])
+def test_a_python_store_network_error_is_store_unreachable_in_both(
+    impl: str, method: str, kwargs: dict, exc: BaseException
+) -> None:
+    """Told by the exception's type, as lanes.connection_lost reads it: in C++ the Python
+    exception arrives wrapped (error_already_set), and its text alone ("etcd cluster is
+    unavailable") says nothing of a connection."""
+    store = _Unreachable(exc)
+    coll = make(impl, store, 0, 2)
+    store.down()
+    with pytest.raises(torch_ctrl.StoreUnreachableError) as info:
+        getattr(coll, method)("k", timeout=5, **kwargs)
+    assert isinstance(info.value, dist.DistNetworkError)
+    text = _one_line(info.value)
+    assert text == f"{method} 'k': store unreachable: {type(exc).__name__}: {exc}", text
+    store.exc = None
+    coll.close(0.5)
+
+
+class _FailingCompareSet(DictStore):
+    """A Python-written store whose compare_set fails on the op's keys: at the deadline the
+    diagnostics that name the missing ranks fail too."""
+
+    def compare_set(self, key: str, expected: object, desired: object) -> bytes:
+        if "torch_ctrl/3/w2/k" in key:
+            raise ValueError("bad")
+        return super().compare_set(key, expected, desired)
+
+
+@pytest.mark.parametrize("method, kwargs", [("barrier", {}), ("all_sum", {"data": 1})])
+def test_a_python_store_error_in_a_timeouts_diagnostics_carries_its_type(impl: str, method: str, kwargs: dict) -> None:
+    """As every other error of a Python-written store (docs/protocol.md), in both twins."""
+    coll = make(impl, _FailingCompareSet(), 0, 2)
+    with pytest.raises(CollectiveTimeoutError) as info:
+        getattr(coll, method)("k", timeout=0.5, **kwargs)
+    assert _one_line(info.value) == f"{method} 'k' timed out after 0.5s: (ValueError: bad)"
+    coll.close(0.5)
+
+
+# Calls with two bad arguments: the error is about the first in the order of the parameters
+# (key, data, timeout, block), in both twins.
+TWO_BAD = [
+    ("barrier", (5,), dict(block="no"), TypeError, "key must be a str or None, got int"),
+    ("barrier", (5, -1), {}, TypeError, "key must be a str or None, got int"),
+    ("barrier", ("k", -1), dict(block="no"), ValueError, "timeout must be >= 0, got -1"),
+    ("barrier", ("k", "x", "no"), {}, TypeError, "timeout must be a timedelta or seconds, got str"),
+    ("broadcast_send", (5, 5), {}, TypeError, "key must be a str or None, got int"),
+    ("broadcast_send", (5,), {}, TypeError, "key must be a str or None, got int"),
+    ("broadcast_send", ("k", 5, "x"), {}, TypeError, "data must be bytes, bytearray, memoryview or str, got int"),
+    ("broadcast_recv", (5, "x"), {}, TypeError, "key must be a str or None, got int"),
+    ("gather_send", (5, None), {}, TypeError, "key must be a str or None, got int"),
+    ("gather_recv", (b"k", 1), {}, TypeError, "key must be a str or None, got bytes"),
+    ("gather_recv", ("k", 1, -1), {}, TypeError, "data must be bytes, bytearray, memoryview or str, got int"),
+    ("scatter_send", (5, b"ab"), {}, TypeError, "key must be a str or None, got int"),
+    ("scatter_send", ("k", [b"a"], "x"), {}, ValueError, "data must have world_size=2 elements, got 1"),
+    ("scatter_recv", (5, -1), {}, TypeError, "key must be a str or None, got int"),
+    ("all_gather", (5, 1), {}, TypeError, "key must be a str or None, got int"),
+    ("all_sum", (5, "1"), {}, TypeError, "key must be a str or None, got int"),
+    ("all_sum", ("k", "1", -1), {}, TypeError, "data must be an int, got str"),
+]
+
+
+@pytest.mark.parametrize("method, args, kwargs, exc, message", TWO_BAD)
+def test_arguments_are_checked_in_the_order_of_the_parameters(
+    impl: str, method: str, args: tuple, kwargs: dict, exc: type, message: str
+) -> None:
+    store = DictStore()
+    coll = make(impl, store, 0, 2)
+    with pytest.raises(exc) as info:
+        getattr(coll, method)(*args, **kwargs)
+    assert str(info.value) == message
+    assert store.num_keys() == 0
+    coll.close()

@@ -94,6 +94,31 @@ def test_abort_on_error_bound_is_configurable_and_checked(impl: str) -> None:
     coll.close()
 
 
+@pytest.mark.parametrize(
+    "bound, exc, message",
+    [
+        ("soon", TypeError, "abort_timeout must be a timedelta or seconds, got str"),
+        (None, TypeError, "abort_timeout must be a timedelta or seconds, got NoneType"),
+        (-1, ValueError, "abort_timeout must be >= 0, got -1"),
+        (
+            timedelta(seconds=-1),
+            ValueError,
+            "abort_timeout must be >= 0, got datetime.timedelta(days=-1, seconds=86399)",
+        ),
+    ],
+)
+def test_abort_on_error_checks_its_bound_at_the_call_and_names_it(
+    impl: str, bound: object, exc: type, message: str
+) -> None:
+    """Refused where it is written (not when the block is entered), naming ``abort_timeout``
+    (not "timeout", a parameter it does not have), in both twins."""
+    coll = make(impl, dist.HashStore(), 0, 2)
+    with pytest.raises(exc) as info:
+        coll.abort_on_error(bound)  # type: ignore[arg-type]
+    assert str(info.value) == message
+    coll.close()
+
+
 def test_abort_on_error_when_the_backend_cannot_abort() -> None:
     """A ControlCollectives without abort(): the caller's exception, not NotImplementedError."""
     from torch_ctrl import ControlCollectives

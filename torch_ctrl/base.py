@@ -6,13 +6,14 @@ from __future__ import annotations
 import abc
 import inspect
 import logging
+import math
 import operator
 import os
 import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import NoReturn, Union
 
@@ -261,8 +262,7 @@ class ControlCollectives(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not support abort()")
 
-    @contextmanager
-    def abort_on_error(self, abort_timeout: Timeout = ABORT_ON_ERROR_TIMEOUT) -> Iterator[None]:
+    def abort_on_error(self, abort_timeout: Timeout = ABORT_ON_ERROR_TIMEOUT) -> AbstractContextManager[None]:
         """Context manager: if the block raises, abort the group with the exception's type and
         first line (``"OSError: disk full"``), then re-raise that exception unchanged
         (``sys.exit(0)`` and ``sys.exit()`` abort nothing).
@@ -281,15 +281,11 @@ class ControlCollectives(abc.ABC):
             with coll.abort_on_error():
                 load_checkpoint()
         """
-        seconds = to_seconds(abort_timeout)
-        try:
-            yield
-        except BaseException as exc:
-            if fails(exc):  # not a generator's close, not sys.exit(0)
-                _abort_for(self, exc, seconds)
-            raise
+        # Checked here, at the call, not when the block is entered: ``abort_on_error("soon")``
+        # fails at once, naming its own parameter.
+        return _aborting_on_error(self, to_seconds(abort_timeout, "abort_timeout"))
 
-    def close(self, flush_timeout: float = 5.0) -> None:  # noqa: B027 - optional for other backends
+    def close(self, flush_timeout: Timeout = 5.0) -> None:  # noqa: B027 - optional for other backends
         """Release resources (background threads, connections); a no-op by default.
 
         Calls still running on other threads are not interrupted, and ``close()`` does not wait
@@ -298,7 +294,9 @@ class ControlCollectives(abc.ABC):
         opens what it needs again.
 
         Args:
-            flush_timeout: seconds to let background key cleanup finish first.
+            flush_timeout: how long to let background key cleanup finish first (``timedelta``
+                or seconds, at least 0; above 10 days means 10 days, as every timeout). Checked
+                before anything is done: a bad value raises and leaves the instance open.
 
         Example::
 
@@ -323,6 +321,17 @@ class ControlCollectives(abc.ABC):
 # groups (abort_open_groups_on_crash), and an abort one of them learns of reaches the others of
 # its group (spread_abort). Both implementations add and discard themselves.
 _OPEN: weakref.WeakSet[ControlCollectives] = weakref.WeakSet()
+
+
+@contextmanager
+def _aborting_on_error(coll: ControlCollectives, seconds: float) -> Iterator[None]:
+    """The context manager of :meth:`ControlCollectives.abort_on_error`, its bound checked."""
+    try:
+        yield
+    except BaseException as exc:
+        if fails(exc):  # not a generator's close, not sys.exit(0)
+            _abort_for(coll, exc, seconds)
+        raise
 
 
 def opened(coll: ControlCollectives) -> None:
@@ -570,7 +579,7 @@ def check_heartbeat(heartbeat_interval: object) -> float | None:
     if not MIN_HEARTBEAT <= seconds <= MAX_HEARTBEAT:
         raise ValueError(
             f"heartbeat_interval must be between {MIN_HEARTBEAT:g} and {MAX_HEARTBEAT:g} seconds, "
-            f"got {heartbeat_interval!r}"
+            f"got {shown(heartbeat_interval)}"
         )
     return seconds
 
@@ -645,14 +654,29 @@ def to_int64(data: object) -> int:
 
 def to_seconds(timeout: object, name: str = "timeout", clamp: bool = True) -> float:
     """timedelta or int/float seconds -> seconds (>= 0). With ``clamp``, anything above
-    :data:`MAX_TIMEOUT` (``inf``, ``1e15``, ``timedelta.max``: "wait as long as possible")
-    is :data:`MAX_TIMEOUT`, the same in both implementations."""
+    :data:`MAX_TIMEOUT` (``inf``, ``1e15``, ``10**400``, ``timedelta.max``: "wait as long as
+    possible") is :data:`MAX_TIMEOUT`, the same in both implementations. An int too large for
+    a float counts as infinite (``-10**400`` is a negative like any other)."""
     if isinstance(timeout, timedelta):
         secs = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        secs = float(timeout)
+        try:
+            secs = float(timeout)
+        except OverflowError:  # an int past the largest float
+            secs = math.inf if timeout > 0 else -math.inf
     else:
         raise TypeError(f"{name} must be a timedelta or seconds, got {type(timeout).__name__}")
     if secs != secs or secs < 0:
-        raise ValueError(f"{name} must be >= 0, got {timeout!r}")
+        raise ValueError(f"{name} must be >= 0, got {shown(timeout)}")
     return min(secs, MAX_TIMEOUT) if clamp else secs
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message; an int too long to print (Python refuses ints of
+    more than 4300 digits) is shown by its size."""
+    try:
+        return repr(value)
+    except ValueError:
+        if isinstance(value, int):
+            return f"{'-' if value < 0 else ''}<an int of {value.bit_length()} bits>"
+        return f"<{type(value).__name__}>"

@@ -34,6 +34,7 @@ from .base import (
     not_picklable,
     opened,
     spread_abort,
+    to_seconds,
     unreachable,
 )
 from .errors import forked_error
@@ -188,14 +189,16 @@ class CppStoreCollectives(ControlCollectives):
         base.spread_abort): fail every later op at once and wake blocked callers."""
         self._native._learn_abort(notice)
 
-    def close(self, flush_timeout: float = 5.0) -> None:
-        """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections;
-        calls still running on other threads go on (see :meth:`torch_ctrl.ControlCollectives.close`)."""
+    def close(self, flush_timeout: Timeout = 5.0) -> None:
+        """Finish background cleanup (up to ``flush_timeout``, a ``timedelta`` or seconds) and
+        release connections; calls still running on other threads go on (see
+        :meth:`torch_ctrl.ControlCollectives.close`)."""
+        seconds = to_seconds(flush_timeout, "flush_timeout")  # before anything is stopped
         if os.getpid() != self._owner:
             self._orphan()  # a forked child: the connections and thread are the parent's
             return
         closed(self)
-        self._native.close(float(flush_timeout))
+        self._native.close(seconds)
 
     def _orphan(self) -> None:
         native = self.__dict__.pop("_native", None)

@@ -170,8 +170,9 @@ class PyStoreCollectives(ControlCollectives):
         return self._world
 
     def barrier(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT, block: bool = True) -> None:
-        block = check_block(block)
-        op = self._begin("barrier", key, timeout)
+        self._check_process("barrier")
+        user_key, seconds, block = check_key(key), to_seconds(timeout), check_block(block)
+        op = self._begin("barrier", user_key, seconds)
         if self._world == 1:
             return
         with self._lane(op) as lane:
@@ -199,14 +200,16 @@ class PyStoreCollectives(ControlCollectives):
     def broadcast_send(
         self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> None:
-        payload = to_bytes(data)
-        op = self._begin("broadcast_send", key, timeout)
+        self._check_process("broadcast_send")
+        user_key, payload, seconds = check_key(key), to_bytes(data), to_seconds(timeout)
+        op = self._begin("broadcast_send", user_key, seconds)
         if self._world == 1:
             return
         self._send(op, lambda lane: self._put(lane, op.key(K.DONE), payload))
 
     def broadcast_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
-        op = self._begin("broadcast_recv", key, timeout)
+        self._check_process("broadcast_recv")
+        op = self._begin("broadcast_recv", check_key(key), to_seconds(timeout))
         done = op.key(K.DONE)
         with self._lane(op) as lane:
             value, chunks = self._read(op, lane, done)
@@ -214,15 +217,19 @@ class PyStoreCollectives(ControlCollectives):
         return value
 
     def gather_send(self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
-        payload = to_bytes(data)
-        op = self._begin("gather_send", key, timeout)
+        self._check_process("gather_send")
+        user_key, payload, seconds = check_key(key), to_bytes(data), to_seconds(timeout)
+        op = self._begin("gather_send", user_key, seconds)
+        if self._world == 1:  # the only rank is the root: nobody would ever read the slot
+            return
         self._send(op, lambda lane: self._put(lane, K.rank_slot(op.prefix, self._rank), payload))
 
     def gather_recv(
         self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> list[bytes]:
-        payload = to_bytes(data)
-        op = self._begin("gather_recv", key, timeout)
+        self._check_process("gather_recv")
+        user_key, payload, seconds = check_key(key), to_bytes(data), to_seconds(timeout)
+        op = self._begin("gather_recv", user_key, seconds)
         slots = K.rank_slots(op.prefix, self._world, self._rank)
         values: list[bytes] = []
         if slots:
@@ -235,8 +242,9 @@ class PyStoreCollectives(ControlCollectives):
     def scatter_send(
         self, key: str | None = None, data: Sequence[Data] | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> bytes:
-        payloads = to_bytes_list(data, self._world)
-        op = self._begin("scatter_send", key, timeout)
+        self._check_process("scatter_send")
+        user_key, payloads, seconds = check_key(key), to_bytes_list(data, self._world), to_seconds(timeout)
+        op = self._begin("scatter_send", user_key, seconds)
         others = [r for r in range(self._world) if r != self._rank]
         if others:
             slots = [K.rank_slot(op.prefix, r) for r in others]
@@ -248,7 +256,8 @@ class PyStoreCollectives(ControlCollectives):
         return payloads[self._rank]
 
     def scatter_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
-        op = self._begin("scatter_recv", key, timeout)
+        self._check_process("scatter_recv")
+        op = self._begin("scatter_recv", check_key(key), to_seconds(timeout))
         slot = K.rank_slot(op.prefix, self._rank)
         with self._lane(op) as lane:
             value, chunks = self._read(op, lane, slot)
@@ -258,16 +267,18 @@ class PyStoreCollectives(ControlCollectives):
     def all_gather(
         self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> list[bytes]:
-        payload = to_bytes(data)
-        op = self._begin("all_gather", key, timeout)
+        self._check_process("all_gather")
+        user_key, payload, seconds = check_key(key), to_bytes(data), to_seconds(timeout)
+        op = self._begin("all_gather", user_key, seconds)
         if self._world == 1:
             return [payload]
         entries = self._exchange(op, payload)
         return [entries[r] for r in range(self._world)]
 
     def all_sum(self, key: str | None = None, data: int | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> int:
-        value = to_int64(data)
-        op = self._begin("all_sum", key, timeout)
+        self._check_process("all_sum")
+        user_key, value, seconds = check_key(key), to_int64(data), to_seconds(timeout)
+        op = self._begin("all_sum", user_key, seconds)
         if self._world == 1:
             return value
         if not self._lanes.native_barrier:
@@ -301,18 +312,20 @@ class PyStoreCollectives(ControlCollectives):
         if os.getpid() == self._owner:  # a forked child's copy: the parent's thread and locks
             self._watcher.aborted(notice)
 
-    def close(self, flush_timeout: float = 5.0) -> None:
-        """Finish background cleanup (up to ``flush_timeout`` seconds) and release connections;
-        calls still running on other threads go on (see :meth:`torch_ctrl.ControlCollectives.close`).
+    def close(self, flush_timeout: Timeout = 5.0) -> None:
+        """Finish background cleanup (up to ``flush_timeout``, a ``timedelta`` or seconds) and
+        release connections; calls still running on other threads go on (see
+        :meth:`torch_ctrl.ControlCollectives.close`).
 
         Example::
 
             coll.close(flush_timeout=1.0)
         """
+        seconds = to_seconds(flush_timeout, "flush_timeout")  # before anything is stopped
         if os.getpid() != self._owner:
             return  # a forked child: the connections and thread are the parent's (its locks may be held)
         closed(self)
-        self._watcher.close(flush_timeout)
+        self._watcher.close(seconds)
         self._lanes.close()
 
     def __del__(self) -> None:
@@ -327,11 +340,9 @@ class PyStoreCollectives(ControlCollectives):
         return f"{type(self).__name__}(rank={self._rank}, world_size={self._world})"
 
     # ----------------------------------------------------------------- internals
-    def _begin(self, name: str, key: object, timeout: object) -> _Op:
-        """Check the key and timeout, reserve the key, and make the op's prefix."""
-        self._check_process(name)
-        user_key = check_key(key)
-        seconds = to_seconds(timeout)
+    def _begin(self, name: str, user_key: str | None, seconds: float) -> _Op:
+        """Reserve the key (checked by the caller, with the other arguments, in the order of
+        the method's parameters, as the C++ twin checks them) and make the op's prefix."""
         if self._watcher.notice is not None:
             label = user_key if user_key is not None else "#next"
             self._raise_abort(_Op(name, label, "", seconds, 0.0), self._watcher.notice)
@@ -627,10 +638,7 @@ class PyStoreCollectives(ControlCollectives):
             return exc  # already says what happened (e.g. a value torch_ctrl could not have written)
         if self._watcher.notice is not None:
             return self._aborted(op, self._watcher.notice)
-        text = one_line(str(exc))
-        if self._lanes.python:
-            # As the C++ twin reads it (through torch's binding: "ValueError: bad value").
-            text = f"{type(exc).__name__}: {text}"
+        text = self._store_text(exc)
         if connection_lost(exc):
             return collective_error(op.name, op.label, UNREACHABLE + lost_text(self._lanes.server, text))
         if time.monotonic() < op.deadline - 0.01 and "timeout" not in text.lower():
@@ -642,7 +650,17 @@ class PyStoreCollectives(ControlCollectives):
             with Borrowed(self._lanes, self._lanes.acquire(DIAGNOSTICS_CONNECT)) as lane:
                 return self._timeout(op, lane)
         except Exception as diag_exc:  # noqa: BLE001 - diagnostics must not hide the timeout
-            return timeout_error(op.name, op.label, op.seconds, self._world, detail=f"({one_line(str(diag_exc))})")
+            detail = f"({self._store_text(diag_exc)})"
+            return timeout_error(op.name, op.label, op.seconds, self._world, detail=detail)
+
+    def _store_text(self, exc: BaseException) -> str:
+        """A store call's error as one line. An exception of a Python-written store carries its
+        type, as the C++ twin reads it (through torch's binding: "ValueError: bad value"); a
+        value torch_ctrl could not have written (DecodeError) is its message alone, in both."""
+        text = one_line(str(exc))
+        if self._lanes.python and not isinstance(exc, (K.DecodeError, CollectiveError)):
+            text = f"{type(exc).__name__}: {text}"
+        return text
 
     def _timeout(self, op: _Op, lane: Lane) -> Exception:
         """Count who arrived (O(1) store reads) and name the missing ranks."""
