@@ -35,9 +35,11 @@ ENV = {"RES_OPTIONS": "timeout:1 attempts:1"}
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """``python -m torch_ctrl inspect ARGS``; a hang fails the test at ``timeout``."""
+    """``python -m torch_ctrl inspect ARGS``; a hang fails the test at ``timeout``. ``-W ignore``:
+    a Python warning torch itself prints on import (e.g. without NumPy) is not the command's; C++
+    log lines are no Python warnings, and still count."""
     return subprocess.run(
-        [sys.executable, "-m", "torch_ctrl", "inspect", *args],
+        [sys.executable, "-W", "ignore", "-m", "torch_ctrl", "inspect", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -373,7 +375,19 @@ def test_watch_of_a_store_that_goes_away_prints_one_line() -> None:
     with frozen_server({"torch_ctrl/3/w2/_/abort": b"1:gone"}) as (proc, port):
         address = f"{HOST}:{port}"
         watch = subprocess.Popen(
-            [sys.executable, "-m", "torch_ctrl", "inspect", address, "--watch", "--json", "--interval", "0.2"],
+            [
+                sys.executable,
+                "-W",
+                "ignore",
+                "-m",
+                "torch_ctrl",
+                "inspect",
+                address,
+                "--watch",
+                "--json",
+                "--interval",
+                "0.2",
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -10,6 +10,7 @@ line meets at ``--master-addr``). ``--help`` says so, above torchrun's own optio
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import uuid
 
@@ -66,6 +67,8 @@ def torchrun_args(argv: list[str]) -> list[str]:
     parser_ = parser()
     unset = object()
     parser_.set_defaults(rdzv_backend=unset)
+    if "PET_MASTER_PORT" not in os.environ:  # torch <= 2.6 defaults it to 29500: given or not?
+        parser_.set_defaults(master_port=None)
     parsed = parser_.parse_args(argv)
     explicit = parsed.rdzv_backend is not unset
     if explicit and parsed.rdzv_backend != BACKEND:
