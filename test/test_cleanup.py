@@ -10,6 +10,8 @@ import pytest
 import torch.distributed as dist
 from helpers import HOST, IMPLS, Stores, make, run_ranks
 
+from torch_ctrl import keys as K
+from torch_ctrl.capabilities import LIST_KEYS
 from torch_ctrl.lanes import Lanes
 
 WORLD = 4
@@ -210,8 +212,8 @@ def test_a_group_of_one_leaves_nothing_in_the_store(impl: str, kind: str) -> Non
         coll.barrier("r")
         coll.barrier("nb", block=False)
         coll.gather_send("g", b"x")
-    time.sleep(0.2)  # anything the watcher would still delete
-    left = stores.server.list_keys() if hasattr(stores, "server") else stores.admin.num_keys()
+    # close() has flushed whatever the watcher had to delete: the count is back at once
+    left = stores.server.list_keys() if LIST_KEYS and hasattr(stores, "server") else stores.admin.num_keys()
     assert stores.admin.num_keys() == before, left
 
 
@@ -221,9 +223,9 @@ def test_a_group_of_one_leaves_nothing_in_the_store(impl: str, kind: str) -> Non
 def test_close_takes_a_timedelta_or_seconds_like_every_timeout(impl: str, flush_timeout: object) -> None:
     stores = Stores("tcp")
     coll = make(impl, stores.client(0), 0, 1, heartbeat_interval=0.05)
+    assert stores.server.check([HB])  # it beats
     coll.close(flush_timeout)  # type: ignore[arg-type]
-    time.sleep(0.3)
-    assert not [k for k in stores.server.list_keys() if "/hb/" in k]  # its heartbeat is dropped
+    _until(lambda: not stores.server.check([HB]), "its heartbeat counter is dropped")
 
 
 @pytest.mark.parametrize(
@@ -254,12 +256,20 @@ def test_close_refuses_a_bad_flush_timeout_before_doing_anything(
     with pytest.raises(exc) as info:
         coll.close(flush_timeout)  # type: ignore[arg-type]
     assert str(info.value) == message
-    (hb,) = [k for k in stores.server.list_keys() if "/hb/" in k]
-    first = stores.server.add(hb, 0)
-    time.sleep(0.3)
-    assert stores.server.add(hb, 0) > first  # still beating
+    first = stores.server.add(HB, 0)
+    _until(lambda: stores.server.add(HB, 0) > first, "the heartbeat goes on")
     assert threading.active_count() == threads
     assert coll.all_sum("still-open", 2) == 2
     coll.close()
-    time.sleep(0.3)
-    assert not [k for k in stores.server.list_keys() if "/hb/" in k]
+    _until(lambda: not stores.server.check([HB]), "its heartbeat counter is dropped")
+
+
+HB = K.group_key(1, "hb/0")  # the heartbeat counter of rank 0 of a group of one, on a raw store
+
+
+def _until(done: object, what: str, timeout: float = 10.0) -> None:
+    """Poll ``done()`` until true (a counter moving, a key going: nothing to wait on)."""
+    deadline = time.monotonic() + timeout
+    while not done():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.01)
