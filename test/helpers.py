@@ -7,6 +7,7 @@ import contextlib
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -395,6 +396,23 @@ class Gate:
 # ----------------------------------------------------------------------------- torchrun
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun", "worker.py")
+
+
+def poll(fn: Callable[[], Any], timeout: float = 30.0, what: str = "condition", every: float = 0.02) -> Any:
+    """``fn()`` until it returns something truthy (returned), for at most ``timeout`` seconds.
+
+    For states a test can only observe (a counter moving, a key going, a process stopping):
+    there is nothing to wait on, so it looks every ``every`` seconds. Fails with the last value.
+    """
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        last = fn()
+        if last:
+            return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s; last: {last!r}")
+        time.sleep(every)
 
 
 def free_port() -> int:

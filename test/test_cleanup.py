@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from helpers import HOST, IMPLS, Stores, make, run_ranks
+from helpers import HOST, IMPLS, Stores, make, poll, run_ranks
 
 from torch_ctrl import keys as K
 from torch_ctrl.capabilities import LIST_KEYS
@@ -225,7 +225,7 @@ def test_close_takes_a_timedelta_or_seconds_like_every_timeout(impl: str, flush_
     coll = make(impl, stores.client(0), 0, 1, heartbeat_interval=0.05)
     assert stores.server.check([HB])  # it beats
     coll.close(flush_timeout)  # type: ignore[arg-type]
-    _until(lambda: not stores.server.check([HB]), "its heartbeat counter is dropped")
+    poll(lambda: not stores.server.check([HB]), 10, "its heartbeat counter is dropped")
 
 
 @pytest.mark.parametrize(
@@ -257,19 +257,11 @@ def test_close_refuses_a_bad_flush_timeout_before_doing_anything(
         coll.close(flush_timeout)  # type: ignore[arg-type]
     assert str(info.value) == message
     first = stores.server.add(HB, 0)
-    _until(lambda: stores.server.add(HB, 0) > first, "the heartbeat goes on")
+    poll(lambda: stores.server.add(HB, 0) > first, 10, "the heartbeat goes on")
     assert threading.active_count() == threads
     assert coll.all_sum("still-open", 2) == 2
     coll.close()
-    _until(lambda: not stores.server.check([HB]), "its heartbeat counter is dropped")
+    poll(lambda: not stores.server.check([HB]), 10, "its heartbeat counter is dropped")
 
 
 HB = K.group_key(1, "hb/0")  # the heartbeat counter of rank 0 of a group of one, on a raw store
-
-
-def _until(done: object, what: str, timeout: float = 10.0) -> None:
-    """Poll ``done()`` until true (a counter moving, a key going: nothing to wait on)."""
-    deadline = time.monotonic() + timeout
-    while not done():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.01)

@@ -12,13 +12,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch.distributed as dist
-from helpers import HOST, DictStore, Node, Stores, free_port
+from helpers import HOST, DictStore, Node, Stores, free_port, poll
 
 import torch_ctrl
 from torch_ctrl import CollectiveAbortedError, StoreCollectives, capabilities
@@ -31,18 +30,6 @@ WORLD = 4
 # enumerate (test_store_that_cannot_list_keys).
 needs_list_keys = pytest.mark.skipif(not capabilities.LIST_KEYS, reason="this torch's TCPStore cannot list its keys")
 OPS = ("barrier", "broadcast", "gather", "scatter", "all_gather", "all_sum")
-
-
-def poll(fn: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    """``fn()`` until it returns something truthy, for at most ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.05)  # polling an observable state: nothing to wait on
-    raise AssertionError(f"{what} not reached within {timeout}s; last: {last!r}")
 
 
 def dump(store: dist.Store) -> dict[str, bytes]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from helpers import HOST, Node
+from helpers import HOST, Node, poll
 
 import torch_ctrl
 from torch_ctrl import capabilities
@@ -45,18 +45,6 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         timeout=timeout,
         env={**os.environ, **ENV},
     )
-
-
-def poll(fn: Callable[[], Any], timeout: float, what: str) -> Any:
-    """``fn()`` until it returns something truthy, for at most ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.1)  # polling an observable state: nothing to wait on
-    raise AssertionError(f"{what} not reached within {timeout}s; last: {last!r}")
 
 
 def stopped(pid: int) -> bool:

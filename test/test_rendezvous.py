@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from helpers import HOST, free_port, mute_port
+from helpers import HOST, free_port, mute_port, poll
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -84,17 +84,6 @@ class Call:
 def join_all(handlers: list[NativeRendezvousHandler], timeout: float = 30.0) -> list[Any]:
     calls = [Call(h.next_rendezvous) for h in handlers]
     return [c.result(timeout) for c in calls]
-
-
-def until(cond: Callable[[], Any], timeout: float = 20.0) -> Any:
-    """Poll ``cond`` (a state the test observes, e.g. a counter) until it holds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 def _boot(info: Any) -> tuple[str, int]:
@@ -170,7 +159,7 @@ def test_late_joiner_is_admitted_by_the_next_round() -> None:
     first = join_all([a, b])
     c = job.node()
     late = Call(c.next_rendezvous)
-    until(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1)
+    poll(lambda: a.num_nodes_waiting() == 1 and b.num_nodes_waiting() == 1)
     again = join_all([a, b])  # torch's agent restarts its workers into a new round
     third = late.result()
     infos = [*again, third]
@@ -188,7 +177,7 @@ def test_closed_is_seen_everywhere() -> None:
     a, b = job.node(), job.node()
     join_all([a, b])
     waiting = Call(job.node().next_rendezvous)
-    until(lambda: a.num_nodes_waiting() == 1)
+    poll(lambda: a.num_nodes_waiting() == 1)
     assert not a.is_closed()
     b.set_closed()
     assert a.is_closed() and b.is_closed()
@@ -217,10 +206,10 @@ def test_spares_wait_and_are_admitted_when_a_round_has_room() -> None:
     join_all([a, b])
     spare = job.node()
     call = Call(spare.next_rendezvous)
-    until(lambda: int(job.server.add(f"torch_ctrl/rdzv/{job.run_id}/1/arrived", 0)) == 1)
+    poll(lambda: int(job.server.add(f"torch_ctrl/rdzv/{job.run_id}/1/arrived", 0)) == 1)
     assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0
     rejoin_a = Call(a.next_rendezvous)  # a's workers failed: it re-joins
-    until(lambda: b.num_nodes_waiting() >= 2)  # now everyone must restart
+    poll(lambda: b.num_nodes_waiting() >= 2)  # now everyone must restart
     rejoin_b = Call(b.next_rendezvous)
     info = call.result()
     assert info.world_size == 2 and spare.round == 1
@@ -239,11 +228,11 @@ def test_a_node_whose_heartbeat_stops_never_holds_a_round_back() -> None:
     job = Job(2, 3, last_call_timeout=0.5)
     a, b, dead = job.node(), job.node(), job.node()
     dead_call = Call(dead.next_rendezvous)
-    until(lambda: job.server.check([f"torch_ctrl/rdzv/{job.run_id}/0/n/1"]))
+    poll(lambda: job.server.check([f"torch_ctrl/rdzv/{job.run_id}/0/n/1"]))
     dead._stop_heartbeats()
     limit = job.conf["keep_alive_interval"] * job.conf["keep_alive_max_attempt"]
     hb = f"torch_ctrl/rdzv/{job.run_id}/hb/{dead.node}"
-    until(lambda: time.time() - float(job.server.get(hb).split()[0]) > limit + 0.1)  # its heartbeat is stale
+    poll(lambda: time.time() - float(job.server.get(hb).split()[0]) > limit + 0.1)  # its heartbeat is stale
     infos = join_all([a, b])
     assert {i.world_size for i in infos} == {2}
     job.server.set(f"torch_ctrl/rdzv/{job.run_id}/closed", "1")  # release the dead node's thread
@@ -278,7 +267,7 @@ def test_a_member_killed_with_sigkill_is_dropped_by_keep_alive() -> None:
     )
     try:
         a, b = job.node(), job.node()
-        until(lambda: job.server.check([f"torch_ctrl/rdzv/{job.run_id}/0/n/1"]))  # the process has arrived
+        poll(lambda: job.server.check([f"torch_ctrl/rdzv/{job.run_id}/0/n/1"]))  # the process has arrived
         infos = join_all([a, b])
         assert proc.stdout is not None and proc.stdout.readline().split() == ["ROUND", "0", "3"]
         assert {i.world_size for i in infos} == {3}
