@@ -92,19 +92,23 @@ def test_a_node_lost_without_a_word_is_named_by_its_heartbeat() -> None:
     assert re.search(r"node 1 on host \S+ failed: no heartbeat for [\d.]+s", healthy.output), healthy.output
 
 
-def test_workers_blocked_when_a_node_is_lost_fail_at_once_naming_it() -> None:
+@pytest.mark.parametrize("impl", ["auto", "python"])
+def test_workers_blocked_when_a_node_is_lost_fail_at_once_naming_it(impl: str) -> None:
     """Node 1 (agent and workers) is SIGKILLed while node 0's workers are blocked in a
     from_env() barrier node 1's never join: node 0's agent sees node 1's heartbeat stop and
     aborts the round's workers' collectives, so its workers fail naming the lost node, not
-    after the barrier's 120 s."""
+    after the barrier's 120 s. ``auto``: the C++ twin where it is built; ``python``: agents and
+    workers on the Python twin."""
     nodes = torchrun_two_nodes(
         ["lost-node", "120"],
         failing_node=1,
-        env={"TORCH_CTRL_AGENT_HEARTBEAT": "0.5", "TORCH_CTRL_NOTICE_LINGER": "1"},
+        env={"TORCH_CTRL_AGENT_HEARTBEAT": "0.5", "TORCH_CTRL_NOTICE_LINGER": "1", "TORCH_CTRL_IMPL": impl},
         during=lambda ns: (ns[1].wait_for("WORKING", 60), ns[1].kill_all()),
     )
     healthy = nodes[0]
     _report("node 1 killed while workers blocked: healthy agent exited after", healthy.elapsed)
+    if impl == "python":
+        assert healthy.output.count("BACKEND python") == 2, healthy.output
     assert healthy.returncode == 1, healthy.output  # its workers failed: no restarts left
     assert healthy.elapsed < 100, healthy.output  # not the barrier's 120 s
     lost = r"node 1 on host \S+ lost: its agent's heartbeat stopped [\d.]+s ago"

@@ -79,6 +79,7 @@ def main() -> None:
         elif mode == "lost-node":
             import torch_ctrl
 
+            print(f"BACKEND {torch_ctrl.backend()}", flush=True)
             torch_ctrl.from_env(timeout=60).barrier(key="never", timeout=float(sys.argv[2]))
     elif mode in ("flaky-ctrl", "flaky-gloo"):
         marker = sys.argv[2]
