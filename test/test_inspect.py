@@ -585,23 +585,37 @@ def test_foreign_values_are_shown_not_fatal() -> None:
 def test_rendezvous_keep_alive_stale_and_withdrawn_nodes() -> None:
     """A ctrl rendezvous round's nodes as its keys record them: a fresh keep-alive, one older
     than the 15 s after which the rendezvous takes a node for dead (it was shown without a
-    word), and one withdrawn (a negative time: it left; it read as 50 years old)."""
+    word), and one withdrawn (a negative time: it left; it read as 50 years old). Beats that
+    carry their node's own dead-after (interval x attempts, written by this version) are judged
+    by it: 5 s old is stale to a node that dies after 3 s, 20 s old is not to one after 60 s."""
     server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
     root, now = "torch_ctrl/rdzv/kept", time.time()
-    nodes = [("gpu-1", 11, f"{now - 1:.3f} 1"), ("gpu-2", 12, f"{now - 20:.3f} 1"), ("gpu-3", 13, f"-{now - 2:.3f} 1")]
-    server.set(f"{root}/0/seal", b"3")
+    nodes = [
+        ("gpu-1", 11, f"{now - 1:.3f} 1"),
+        ("gpu-2", 12, f"{now - 20:.3f} 1"),
+        ("gpu-3", 13, f"-{now - 2:.3f} 1 15"),
+        ("gpu-4", 14, f"{now - 5:.3f} 1 3"),
+        ("gpu-5", 15, f"{now - 20:.3f} 1 60"),
+    ]
+    server.set(f"{root}/0/seal", b"5")
     for slot, (host, pid, beat) in enumerate(nodes, 1):
         server.set(f"{root}/0/n/{slot}", f"{host}\t{pid}\t0\t1")
-        server.set(f"{root}/0/rank/{slot}", f"{slot - 1} 3")
+        server.set(f"{root}/0/rank/{slot}", f"{slot - 1} 5")
         server.set(f"{root}/hb/{host}_{pid}_0", beat)
     report = torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0)
     state = report["torchrun"][0]["state"]
-    fresh, stale, left = state["nodes"]
+    fresh, stale, left, quick, patient = state["nodes"]
+    assert quick["keep_alive_stale"] is True and quick["keep_alive_dead_after_s"] == 3, quick
+    assert patient["keep_alive_stale"] is False and patient["keep_alive_age_s"] >= 20, patient
+    assert "keep_alive_dead_after_s" not in stale, stale
     assert fresh["keep_alive_stale"] is False and fresh["keep_alive_age_s"] < 15, fresh
     assert stale["keep_alive_stale"] is True and stale["keep_alive_age_s"] >= 20, stale
-    assert left.get("withdrawn") is True and "keep_alive_age_s" not in left, left
+    assert left.get("withdrawn") is True and "keep_alive_age_s" not in left and "keep_alive_dead_after_s" not in left
     lines = render(report).splitlines()
     assert any(x.startswith("    node 0: host gpu-1 (agent pid 11), keep-alive ") and "STALE" not in x for x in lines)
     said = ": STALE (past the 15s after which the rendezvous takes a node for dead, by default)"
     assert any(x.startswith("    node 1: host gpu-2 (agent pid 12), keep-alive 2") and x.endswith(said) for x in lines)
     assert "    node 2: host gpu-3 (agent pid 13), withdrew (left the rendezvous)" in lines, lines
+    own = ": STALE (past the 3.0s after which the rendezvous takes it for dead)"
+    assert any(x.startswith("    node 3: host gpu-4 (agent pid 14), keep-alive ") and x.endswith(own) for x in lines)
+    assert any(x.startswith("    node 4: host gpu-5 (agent pid 15), keep-alive 2") and "STALE" not in x for x in lines)

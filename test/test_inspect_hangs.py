@@ -346,7 +346,8 @@ def test_a_sigkilled_torchrun_agent_is_stopped_with_default_options(tmp_path: An
         assert "heartbeats (interval 5s): over " in text and "s, 1/2 ranks beating, 1 STOPPED" in text, text
         assert "  STOPPED: [1]" in text, text
         line = next(x for x in text.splitlines() if x.startswith("    node 1: host "))
-        assert ": STALE (past the 15s after which the rendezvous takes a node for dead, by default)" in line, text
+        assert nodes_seen[1]["keep_alive_dead_after_s"] == 15, nodes_seen  # its own 5 s x 3, from its beat
+        assert ": STALE (past the 15.0s after which the rendezvous takes it for dead)" in line, text
     finally:
         for n in nodes:
             n.kill()

@@ -169,6 +169,10 @@ def _keep_alive(node: dict[str, Any]) -> str:
         return ""
     text = f", keep-alive {_secs(node['keep_alive_age_s'])} ago"
     if node.get("keep_alive_stale"):
-        dead_after = f"{KEEP_ALIVE_DEAD_AFTER:g}s"
-        text += f": STALE (past the {dead_after} after which the rendezvous takes a node for dead, by default)"
+        limit = node.get("keep_alive_dead_after_s")
+        if limit is not None:  # the node's own keep_alive_interval x keep_alive_max_attempt
+            text += f": STALE (past the {_secs(limit)} after which the rendezvous takes it for dead)"
+        else:
+            dead_after = f"{KEEP_ALIVE_DEAD_AFTER:g}s"
+            text += f": STALE (past the {dead_after} after which the rendezvous takes a node for dead, by default)"
     return text

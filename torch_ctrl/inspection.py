@@ -835,8 +835,9 @@ class Inspector:
                     master = f"{addr.decode('utf-8', 'replace')}:{int(port)}"
                     break
         for node in (state or {}).get("nodes", []) + (state or {}).get("waiting", []):
-            if "keep_alive_age_s" in node:
-                node["keep_alive_stale"] = node["keep_alive_age_s"] > KEEP_ALIVE_DEAD_AFTER
+            if "keep_alive_age_s" in node:  # by the node's own settings where its beat says them
+                limit = node.get("keep_alive_dead_after_s", KEEP_ALIVE_DEAD_AFTER)
+                node["keep_alive_stale"] = node["keep_alive_age_s"] > limit
         current = (state or {}).get("round")
         if current is None and run["rounds"]:
             current = max(run["rounds"])
@@ -911,6 +912,7 @@ def _mark_withdrawn(run_id: str, current: int | None, state: dict[str, Any], val
         beat = values.get(f"{root}/hb/{fields[0]}_{fields[1]}_{fields[2]}") or b""
         if beat.startswith(b"-"):
             node.pop("keep_alive_age_s", None)
+            node.pop("keep_alive_dead_after_s", None)
             node["withdrawn"] = True
 
 

@@ -13,6 +13,7 @@ import base64
 import binascii
 import datetime
 import io
+import math
 import pickle
 from typing import Any
 
@@ -179,12 +180,20 @@ def decode_native(run_id: str, current: int | None, values: dict[str, bytes | No
         return None if raw is None else raw.decode("utf-8", "replace")
 
     beats: dict[str, float] = {}
+    dead_after: dict[str, float] = {}  # what each node's own settings call dead (its 3rd field)
     for key, raw in values.items():
         if key.startswith(f"{root}/hb/") and raw:
+            fields = raw.split()
             try:
-                beats[key[len(root) + 4 :]] = float(raw.split()[0])
+                beats[key[len(root) + 4 :]] = float(fields[0])
             except (ValueError, IndexError):
-                pass
+                continue
+            try:
+                limit = float(fields[2])
+            except (ValueError, IndexError):  # written by an earlier version: no dead-after
+                continue
+            if math.isfinite(limit) and limit > 0:
+                dead_after[key[len(root) + 4 :]] = limit
     out: dict[str, Any] = {"round": current, "closed": f"{root}/closed" in values or text(f"{root}/open") == "closed"}
     if current is None:
         return {**out, "complete": False, "nodes": [], "waiting": [], "redundant": []}
@@ -206,6 +215,9 @@ def decode_native(run_id: str, current: int | None, values: dict[str, bytes | No
         beat = beats.get(f"{host}_{pid}_{local}")
         if beat:  # 0 means withdrawn
             node["keep_alive_age_s"] = round(max(0.0, now - beat), 1)
+            limit = dead_after.get(f"{host}_{pid}_{local}")
+            if limit is not None:
+                node["keep_alive_dead_after_s"] = limit
         outcome = (text(f"{r}/rank/{slot}") or "").split()
         if outcome and outcome[0].lstrip("-").isdigit():
             nodes.append({"rank": int(outcome[0]), **node})

@@ -13,8 +13,10 @@ arrival slot, 1-based):
 ``R/open``                    ``"{r},{size of round r-1}"``: the round open for joining (a hint:
                               an arrival that finds ``r`` sealed moves on), or ``"closed"``
 ``R/closed``                  present once the run is closed
-``R/hb/{node}``               ``"{unix time} {attempt}"``: the node's heartbeat (a ``set`` every
-                              ``keep_alive_interval``; a negative time = withdrawn)
+``R/hb/{node}``               ``"{unix time} {attempt} {dead after}"``: the node's heartbeat (a
+                              ``set`` every ``keep_alive_interval``; a negative time = withdrawn;
+                              ``dead after`` = interval x max attempts, in seconds, for readers
+                              such as ``inspect`` that do not know the run's settings)
 ``R/{r}/arrived``             counter: +1 per arrival, +2^24 more if the arriver was a member
                               of round r-1, +2^48 when the round is sealed or closed
 ``R/{r}/n/{k}``               ``"{host}\\t{pid}\\t{local id}\\t{attempt}"``: who took slot ``k``
@@ -414,11 +416,11 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         return f"{self._root}/{rnd}/{name}"
 
     def _beat_value(self) -> str:
-        return f"{time.time():.3f} {self._attempt}"
+        return f"{time.time():.3f} {self._attempt} {self.config.dead_after:g}"
 
     def _withdrawn(self) -> str:
         """A heartbeat that reads as dead at once: minus the time this node left."""
-        return f"-{time.time():.3f} {self._attempt}"
+        return f"-{time.time():.3f} {self._attempt} {self.config.dead_after:g}"
 
     # ---------------------------------------------------------------- torch's contract
     def get_backend(self) -> str:
@@ -696,7 +698,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         now, limit = time.time(), self.config.dead_after
         fresh = {}
         for r, raw in zip(present, beats):
-            t, attempt = bytes(raw).decode().split()
+            t, attempt = bytes(raw).decode().split()[:2]  # then the writer's dead-after (for inspect)
             when = abs(float(t)) if recent else float(t)
             fresh[r.node] = when > 0 and now - when <= limit and int(attempt) == r.attempt
         return [r is not None and fresh[r.node] for r in records]
