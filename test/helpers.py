@@ -114,6 +114,11 @@ class BasicStore(dist.Store):
             return len(self._data)
 
 
+def scratch() -> str | None:
+    """The test session's scratch directory (conftest removes it at exit), else the system's."""
+    return os.environ.get("TORCH_CTRL_TEST_SCRATCH")
+
+
 class Stores:
     """A family of store handles on one backing store: ``client(rank)`` and ``admin``."""
 
@@ -125,7 +130,7 @@ class Stores:
             self.server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, use_libuv=libuv)
             self.port = self.server.port
         elif kind in ("file", "prefix_file"):
-            fd, self.path = tempfile.mkstemp(prefix="torch_ctrl_test_")
+            fd, self.path = tempfile.mkstemp(prefix="filestore_", dir=scratch())
             os.close(fd)
             os.unlink(self.path)
             self._keep = dist.FileStore(self.path, -1)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -17,9 +18,14 @@ from torch_ctrl import capabilities
 
 
 @pytest.mark.timeout(180)
-def test_demo_runs_and_checks_results() -> None:
+def test_demo_runs_and_checks_results(tmp_path: Path) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     out = subprocess.run(
-        [sys.executable, "-m", "torch_ctrl", "demo", "--rounds", "2"], capture_output=True, text=True, timeout=170
+        [sys.executable, "-m", "torch_ctrl", "demo", "--rounds", "2"],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env=env,
     )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "torch_ctrl.run --standalone" in out.stdout  # a real torchrun job, ctrl backend
@@ -28,6 +34,7 @@ def test_demo_runs_and_checks_results() -> None:
     assert "torchrun exited 0" in out.stdout
     for op in ("barrier", "broadcast_recv", "gather_recv", "scatter_recv", "all_gather", "all_sum"):
         assert op in out.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing left behind (torchrun's log directory neither)
 
 
 def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch.distributed as dist
-from helpers import IMPLS
+from helpers import IMPLS, scratch
 
 WORLD = 3
 
@@ -56,7 +56,7 @@ def test_separate_processes(impl: str, kind: str) -> None:
     ctx = mp.get_context("spawn")
     server = None
     if kind in ("file", "prefix_file"):
-        fd, path = tempfile.mkstemp()
+        fd, path = tempfile.mkstemp(prefix="filestore_", dir=scratch())
         os.close(fd)
         os.unlink(path)
         spec = (kind, path)

@@ -17,6 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -185,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         # too; where DNS drops such queries each one stalls for the resolver's timeout (5 s),
         # which would show as a 5 s collective. Unless set, the job's processes wait 1 s at most.
         env = {**os.environ, "RES_OPTIONS": os.environ.get("RES_OPTIONS", "timeout:1 attempts:1")}
-        code = subprocess.run(cmd, timeout=JOB_WAIT, env=env).returncode
+        # torchrun makes a log directory under TMPDIR for every run and never removes it: a
+        # demo leaves nothing behind.
+        with tempfile.TemporaryDirectory(prefix="torch_ctrl_demo_") as tmp:
+            code = subprocess.run(cmd, timeout=JOB_WAIT, env={**env, "TMPDIR": tmp}).returncode
     except subprocess.TimeoutExpired:
         print(f"FAILED: the torchrun job did not finish within {JOB_WAIT:.0f} s")
         return 1
