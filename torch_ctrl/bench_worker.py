@@ -126,6 +126,7 @@ def run_job(world: int, stores: list[str], opts: argparse.Namespace, tag: str) -
     cmd = [sys.executable, "-m", "torch_ctrl.run", "--standalone", f"--nproc-per-node={world}"]
     cmd += ["--monitor-interval=0.1", "-m", "torch_ctrl.bench_worker"]
     env = {**os.environ, ENV_DIR: str(folder), "RES_OPTIONS": os.environ.get("RES_OPTIONS", "timeout:1 attempts:1")}
+    env["TMPDIR"] = str(folder)  # torchrun's log directory too: the run's scratch is removed after it
     wait = max(300.0, 3 * opts.timeout)  # an op that hangs fails after --timeout; this bounds a stuck job
     log = folder / "job.log"
     with log.open("w") as sink:
