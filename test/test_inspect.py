@@ -585,23 +585,25 @@ def test_foreign_values_are_shown_not_fatal() -> None:
 def test_rendezvous_keep_alive_stale_and_withdrawn_nodes() -> None:
     """A ctrl rendezvous round's nodes as its keys record them: a fresh keep-alive, one older
     than the 15 s after which the rendezvous takes a node for dead (it was shown without a
-    word), and one withdrawn (a negative time: it left; it read as 50 years old). Beats that
-    carry their node's own dead-after (interval x attempts, written by this version) are judged
-    by it: 5 s old is stale to a node that dies after 3 s, 20 s old is not to one after 60 s."""
+    word), and one withdrawn (a negative time: it left; it read as 50 years old). Nodes that
+    recorded their own dead-after (``R/da/{node}``: interval x attempts) are judged by it: 5 s
+    old is stale to a node that dies after 3 s, 20 s old is not to one after 60 s."""
     server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
     root, now = "torch_ctrl/rdzv/kept", time.time()
     nodes = [
-        ("gpu-1", 11, f"{now - 1:.3f} 1"),
-        ("gpu-2", 12, f"{now - 20:.3f} 1"),
-        ("gpu-3", 13, f"-{now - 2:.3f} 1 15"),
-        ("gpu-4", 14, f"{now - 5:.3f} 1 3"),
-        ("gpu-5", 15, f"{now - 20:.3f} 1 60"),
+        ("gpu-1", 11, f"{now - 1:.3f} 1", None),
+        ("gpu-2", 12, f"{now - 20:.3f} 1", None),
+        ("gpu-3", 13, f"-{now - 2:.3f} 1", "15"),
+        ("gpu-4", 14, f"{now - 5:.3f} 1", "3"),
+        ("gpu-5", 15, f"{now - 20:.3f} 1", "60"),
     ]
     server.set(f"{root}/0/seal", b"5")
-    for slot, (host, pid, beat) in enumerate(nodes, 1):
+    for slot, (host, pid, beat, dead_after) in enumerate(nodes, 1):
         server.set(f"{root}/0/n/{slot}", f"{host}\t{pid}\t0\t1")
         server.set(f"{root}/0/rank/{slot}", f"{slot - 1} 5")
         server.set(f"{root}/hb/{host}_{pid}_0", beat)
+        if dead_after is not None:
+            server.set(f"{root}/da/{host}_{pid}_0", dead_after)
     report = torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0)
     state = report["torchrun"][0]["state"]
     fresh, stale, left, quick, patient = state["nodes"]

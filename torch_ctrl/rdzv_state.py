@@ -140,7 +140,7 @@ def split_key(key: str) -> tuple[str, int | None, str] | None:
 
 # ------------------------------------------------------------------ the native ctrl rendezvous
 # Layout of torch_ctrl.elastic.ctrl_rendezvous (its module docstring): R = torch_ctrl/rdzv/{run_id};
-# R/open, R/closed, R/hb/{node}, R/{round}/{arrived, seal, boot, members, n/{k}, rank/{k}, ...}.
+# R/open, R/closed, R/hb/{node}, R/da/{node}, R/{round}/{arrived, seal, boot, members, n/{k}, rank/{k}, ...}.
 NATIVE_ROOT = "torch_ctrl/rdzv/"
 _COUNT_MASK = (1 << 24) - 1
 _SEALED = 1 << 48
@@ -180,17 +180,17 @@ def decode_native(run_id: str, current: int | None, values: dict[str, bytes | No
         return None if raw is None else raw.decode("utf-8", "replace")
 
     beats: dict[str, float] = {}
-    dead_after: dict[str, float] = {}  # what each node's own settings call dead (its 3rd field)
+    dead_after: dict[str, float] = {}  # what each node's own settings call dead (R/da/{node})
     for key, raw in values.items():
         if key.startswith(f"{root}/hb/") and raw:
-            fields = raw.split()
             try:
-                beats[key[len(root) + 4 :]] = float(fields[0])
+                beats[key[len(root) + 4 :]] = float(raw.split()[0])
             except (ValueError, IndexError):
-                continue
+                pass
+        elif key.startswith(f"{root}/da/") and raw:
             try:
-                limit = float(fields[2])
-            except (ValueError, IndexError):  # written by an earlier version: no dead-after
+                limit = float(raw)
+            except ValueError:
                 continue
             if math.isfinite(limit) and limit > 0:
                 dead_after[key[len(root) + 4 :]] = limit

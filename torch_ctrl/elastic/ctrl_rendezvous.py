@@ -13,10 +13,12 @@ arrival slot, 1-based):
 ``R/open``                    ``"{r},{size of round r-1}"``: the round open for joining (a hint:
                               an arrival that finds ``r`` sealed moves on), or ``"closed"``
 ``R/closed``                  present once the run is closed
-``R/hb/{node}``               ``"{unix time} {attempt} {dead after}"``: the node's heartbeat (a
-                              ``set`` every ``keep_alive_interval``; a negative time = withdrawn;
-                              ``dead after`` = interval x max attempts, in seconds, for readers
-                              such as ``inspect`` that do not know the run's settings)
+``R/hb/{node}``               ``"{unix time} {attempt}"``: the node's heartbeat (a ``set`` every
+                              ``keep_alive_interval``; a negative time = withdrawn)
+``R/da/{node}``               the node's ``keep_alive_interval`` x ``keep_alive_max_attempt`` in
+                              seconds, written with its first heartbeat: when the rendezvous
+                              takes it for dead, for readers that do not know the run's
+                              settings (``inspect``)
 ``R/{r}/arrived``             counter: +1 per arrival, +2^24 more if the arriver was a member
                               of round r-1, +2^48 when the round is sealed or closed
 ``R/{r}/n/{k}``               ``"{host}\\t{pid}\\t{local id}\\t{attempt}"``: who took slot ``k``
@@ -416,11 +418,11 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         return f"{self._root}/{rnd}/{name}"
 
     def _beat_value(self) -> str:
-        return f"{time.time():.3f} {self._attempt} {self.config.dead_after:g}"
+        return f"{time.time():.3f} {self._attempt}"
 
     def _withdrawn(self) -> str:
         """A heartbeat that reads as dead at once: minus the time this node left."""
-        return f"-{time.time():.3f} {self._attempt} {self.config.dead_after:g}"
+        return f"-{time.time():.3f} {self._attempt}"
 
     # ---------------------------------------------------------------- torch's contract
     def get_backend(self) -> str:
@@ -527,8 +529,8 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             record = _Record(self._host, os.getpid(), self._local_id, self._attempt)
             self._call(
                 self._store.multi_set,
-                [self._hb_key, self._k(rnd, f"n/{slot}")],
-                [self._beat_value(), record.encode()],
+                [self._hb_key, self._k(rnd, f"n/{slot}"), f"{self._root}/da/{self.node}"],
+                [self._beat_value(), record.encode(), f"{cfg.dead_after:g}"],
             )
             _beater.watch(self)
             try:
@@ -698,7 +700,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         now, limit = time.time(), self.config.dead_after
         fresh = {}
         for r, raw in zip(present, beats):
-            t, attempt = bytes(raw).decode().split()[:2]  # then the writer's dead-after (for inspect)
+            t, attempt = bytes(raw).decode().split()
             when = abs(float(t)) if recent else float(t)
             fresh[r.node] = when > 0 and now - when <= limit and int(attempt) == r.attempt
         return [r is not None and fresh[r.node] for r in records]
