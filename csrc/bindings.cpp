@@ -205,13 +205,20 @@ PYBIND11_MODULE(_C, m) {
   // import, with the GIL held, and kept for the life of the process.
   static py::handle dist_network_error =
       py::object(py::module_::import("torch.distributed").attr("DistNetworkError")).release();
-  torch_ctrl::python_network_error = [](const std::exception& exc) {
+  torch_ctrl::python_error = [](const std::exception& exc) -> std::optional<torch_ctrl::PythonError> {
     const auto* err = dynamic_cast<const py::error_already_set*>(&exc);
     if (err == nullptr || finalizing()) {
-      return false;  // not a Python exception (or no Python left to ask): the text decides
+      return std::nullopt;  // not a Python exception (or no Python left to ask): what() decides
     }
     py::gil_scoped_acquire gil;
-    return err->matches(dist_network_error) || err->matches(PyExc_ConnectionError);
+    bool network = err->matches(dist_network_error) || err->matches(PyExc_ConnectionError);
+    std::string text;
+    try {
+      text = py::str(err->value());
+    } catch (const py::error_already_set&) {
+      text = "";  // a __str__ that raises: the type alone decides, as it did
+    }
+    return torch_ctrl::PythonError{network, std::move(text)};
   };
   torch_ctrl::python_read_counter = [](c10d::Store& store, const std::string& key) -> int64_t {
     py::gil_scoped_acquire gil;

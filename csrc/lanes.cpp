@@ -295,18 +295,20 @@ std::string lost_text(const std::string& server, const std::string& text) {
   return "the connection to the store's server " + server + " was lost: " + text;
 }
 
-std::function<bool(const std::exception&)> python_network_error;
+std::function<std::optional<PythonError>(const std::exception&)> python_error;
 
 bool connection_lost(const std::exception& exc) {
   // Twin of lanes.connection_lost: by type first (torch's C++ DistNetworkError, or a
-  // Python-written store's DistNetworkError / ConnectionError), then by text.
+  // Python-written store's DistNetworkError / ConnectionError), then by text: a Python
+  // exception's str(), as the Python twin reads it.
   if (dynamic_cast<const c10::DistNetworkError*>(&exc) != nullptr) {
     return true;
   }
-  if (python_network_error && python_network_error(exc)) {
+  std::optional<PythonError> py = python_error ? python_error(exc) : std::nullopt;
+  if (py && py->network) {
     return true;
   }
-  std::string text = exc.what();
+  std::string text = py ? py->text : exc.what();
   std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
   for (const char* t : {"connection", "broken pipe", "failed to recv", "socket"}) {
     if (text.find(t) != std::string::npos) {

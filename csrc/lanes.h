@@ -38,9 +38,15 @@ extern std::function<int64_t(c10d::Store&, const std::string&)> python_read_coun
 // (KeyboardInterrupt, SystemExit): it goes to the caller as it is, not as a store error.
 extern std::function<bool(const std::exception&)> python_interrupt;
 
-// Whether a store call's exception is a Python-written store's DistNetworkError or
-// ConnectionError (by type, as the Python twin tells them): a lost connection.
-extern std::function<bool(const std::exception&)> python_network_error;
+// A Python-written store's exception, as the Python twin sees it: whether its type is
+// DistNetworkError or ConnectionError, and its str() (never pybind11's what(), which appends
+// the traceback: file and function names there must not decide anything).
+struct PythonError {
+  bool network;
+  std::string text;
+};
+// The PythonError of a store call's exception, or nullopt when it is not a Python exception.
+extern std::function<std::optional<PythonError>(const std::exception&)> python_error;
 
 // Whether a store error means the connection is gone (the server died or restarted, or it
 // dropped this connection).

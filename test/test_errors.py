@@ -774,6 +774,35 @@ def test_a_python_store_error_is_the_same_one_line_in_both(method: str, kwargs: 
     assert any(t in texts[0] for t in ("RuntimeError: disk", "OSError: read-only", "ValueError: counter"))
 
 
+class _SocketNamed(DictStore):
+    """A Python-written store whose error is raised in a frame named like a socket's (as from
+    a client library's ``connection.py``): what decides is the exception, not its traceback."""
+
+    def _read_from_socket(self) -> None:
+        raise ValueError("bad value")
+
+    def set(self, key: str, value: object) -> None:
+        self._read_from_socket()
+
+    def add(self, key: str, value: int) -> int:
+        self._read_from_socket()
+        return 0
+
+
+@pytest.mark.skipif(CppStoreCollectives is None, reason="C++ extension not built")
+@pytest.mark.parametrize("method, kwargs", FAILING_CALLS)
+def test_a_python_store_error_raised_near_a_socket_is_still_a_store_error_in_both(method: str, kwargs: dict) -> None:
+    texts = []
+    for cls in (CppStoreCollectives, torch_ctrl.PyStoreCollectives):
+        coll = cls(_SocketNamed(), 0, 2)
+        with pytest.raises(torch_ctrl.CollectiveError) as info:
+            getattr(coll, method)("k", timeout=5, **kwargs)
+        assert not isinstance(info.value, torch_ctrl.StoreUnreachableError), (cls, str(info.value))
+        texts.append(str(info.value))
+        coll.close(0.5)
+    assert texts[0] == texts[1] == f"{method} 'k': store error: ValueError: bad value"
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("method, kwargs", FAILING_CALLS[:3])
 def test_a_send_to_a_server_that_died_names_the_op(impl: str, method: str, kwargs: dict) -> None:
