@@ -372,3 +372,35 @@ def test_the_workers_notice_comes_from_the_rank_that_failed(cause: int | None, a
         coll.barrier("b", timeout=timedelta(seconds=30))
     assert info.value.rank == aborter, str(info.value)
     assert f"aborted by rank {aborter}: node 1 on host h failed" in str(info.value)
+
+
+def test_aborting_the_workers_gives_up_on_a_store_that_does_not_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent that found a node lost aborts the workers' collectives from torch's monitor
+    loop: a workers' store that accepts connections but never answers (the agent hosting it
+    stopped) holds it for ABORT_BOUND at most, and a store that is gone (refused) not at all."""
+    import time
+
+    from helpers import free_port, mute_port
+
+    monkeypatch.setattr(agent, "ABORT_BOUND", 1.5)
+    group = SimpleNamespace(worker_namespace="torch_ctrl/run/x/round0")
+    workers = [SimpleNamespace(global_rank=r, world_size=4) for r in (2, 3)]
+    with mute_port() as port:
+        worker_group = SimpleNamespace(workers=workers, master_addr="127.0.0.1", master_port=port)
+        started = time.monotonic()
+        agent._abort_workers(worker_group, group, "node 0 on host h lost", 0)
+        assert 1.5 <= time.monotonic() - started < 10
+    worker_group = SimpleNamespace(workers=workers, master_addr="127.0.0.1", master_port=free_port())
+    started = time.monotonic()
+    agent._abort_workers(worker_group, group, "node 0 on host h lost", 0)
+    assert time.monotonic() - started < 3  # the plain-socket check: 1 s of refusals, no torch connect loop
+
+
+@pytest.mark.parametrize(
+    ("raw", "seconds"), [("2.5", 2.5), ("0", 0.0), ("inf", 5.0), ("nan", 5.0), ("-1", 5.0), ("x", 5.0)]
+)
+def test_notice_linger_from_the_environment(monkeypatch: pytest.MonkeyPatch, raw: str, seconds: float) -> None:
+    """TORCH_CTRL_NOTICE_LINGER: a finite number of seconds >= 0, else the default (an
+    infinite linger would keep a failed node from exiting; the notice's bound adds to it)."""
+    monkeypatch.setenv("TORCH_CTRL_NOTICE_LINGER", raw)
+    assert agent._env_seconds("TORCH_CTRL_NOTICE_LINGER", 5.0) == seconds

@@ -26,7 +26,7 @@ def within(seconds: float, call: Callable[[], T], what: str) -> T:
     """``call()``'s result or exception, or :class:`NoAnswer` once ``seconds`` have passed.
 
     Args:
-        seconds: the bound, > 0.
+        seconds: the bound, > 0 (larger than ``threading.TIMEOUT_MAX``: that; not > 0: no wait).
         call: what to run (typically ``lambda: dist.TCPStore(...)``).
         what: the call, for the error, e.g. ``"127.0.0.1:29500"``.
 
@@ -45,7 +45,8 @@ def within(seconds: float, call: Callable[[], T], what: str) -> T:
             done.set()
 
     threading.Thread(target=run, name="torch_ctrl-bounded-call", daemon=True).start()
-    if not done.wait(max(seconds, 0.0)):
+    # Event.wait refuses bounds past threading.TIMEOUT_MAX (OverflowError); NaN waits not at all.
+    if not done.wait(min(seconds, threading.TIMEOUT_MAX) if seconds > 0 else 0.0):
         raise NoAnswer(
             f"{what} accepted a connection but did not answer within {seconds:g}s "
             "(its process is stopped or hung, or it is not a TCPStore server)"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -42,7 +43,7 @@ from .. import keys as K
 from ..base import ControlCollectives
 from ..bounded import NoAnswer, within
 from ..errors import CollectiveAbortedError, CollectiveTimeoutError, format_ranks
-from ..lanes import peek
+from ..lanes import await_server, peek
 from ..loader import StoreCollectives
 from ..watcher import DEAD_AFTER
 from ..workers import ENV_HOSTS, ENV_ROUND, encode_hosts, worker_namespace
@@ -56,14 +57,26 @@ POLL = 0.5  # seconds between notice checks while workers run
 # Seconds the failure notice may take on top of the linger (TORCH_CTRL_NOTICE_LINGER) before the
 # agent gives up on stores that do not answer and exits.
 NOTIFY_BOUND = 10.0
+# Seconds the abort of the workers' collectives may take (connect, post, close) before an agent
+# that found a node lost gives up on a workers' store that does not answer and goes on.
+ABORT_BOUND = 10.0
 MAX_HOSTS_ENV = 32 << 10  # TORCH_CTRL_HOSTS is not exported beyond this size
 
 
 def _env_seconds(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
+    """``name`` from the environment as seconds: ``default`` (with a warning) unless it is a
+    finite number >= 0 (an infinite linger would keep a failed node from ever exiting)."""
+    raw = os.environ.get(name)
+    if raw is None:
         return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (0.0 <= value < math.inf):
+        log.warning("torch_ctrl: %s=%r is not a number of seconds >= 0; using %g", name, raw, default)
+        return default
+    return value
 
 
 @dataclass
@@ -406,21 +419,28 @@ def _abort_workers(worker_group: Any, group: AgentGroup, reason: str, cause: int
     first rank of a lost node) when it is a rank of the job, else from this node's first worker."""
     if group.worker_namespace is None or not worker_group.workers or not worker_group.master_addr:
         return
-    try:
-        client = dist.TCPStore(
-            worker_group.master_addr,
-            int(worker_group.master_port),
-            is_master=False,
-            timeout=timedelta(seconds=5),
-            wait_for_workers=False,
-        )
-        first = worker_group.workers[0]
-        rank = cause if cause is not None and 0 <= cause < first.world_size else first.global_rank
-        coll = StoreCollectives(dist.PrefixStore(group.worker_namespace, client), rank, first.world_size)
+    addr, port, namespace = worker_group.master_addr, int(worker_group.master_port), group.worker_namespace
+    # A store that is gone (it was on the lost node) refuses at once: say so without entering
+    # torch's connect loop, which retries for its timeout and logs a C++ trace per attempt.
+    gone = await_server(addr, port, 1.0)
+    if gone is not None:
+        log.debug("torch_ctrl: the workers' store %s:%d is gone (%s): nothing to abort", addr, port, gone)
+        return
+    first = worker_group.workers[0]
+    rank = cause if cause is not None and 0 <= cause < first.world_size else first.global_rank
+
+    def post() -> None:
+        client = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False)
+        coll = StoreCollectives(dist.PrefixStore(namespace, client), rank, first.world_size)
         try:
             coll.abort(reason)
         finally:
             coll.close(flush_timeout=0.5)
+
+    try:
+        # Bounded: a server that accepts connections but never answers (the agent hosting it
+        # stopped) would hold torch's monitor loop, which calls this, for ever.
+        within(ABORT_BOUND, post, f"the workers' store {addr}:{port}")
     except Exception as exc:  # noqa: BLE001 - best effort
         log.debug("torch_ctrl: could not abort the workers' collectives: %s", exc)
 
