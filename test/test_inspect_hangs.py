@@ -184,6 +184,27 @@ def test_library_on_a_stopped_server_raises_and_recovers() -> None:
 
 
 @needs_list_keys
+@pytest.mark.timeout(120)
+def test_a_followed_workers_store_stopped_at_first_is_read_once_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--watch`` follows a round's workers' store: one that did not answer when first
+    opened (its host stopped) is opened again after RELINK, and read once it runs again."""
+    from torch_ctrl import inspection
+
+    monkeypatch.setattr(inspection, "RELINK", 0.5)
+    main = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    with frozen_server({"torch_ctrl/3/w2/_/abort": b"1:gone"}) as (proc, port):
+        master = f"{HOST}:{port}"
+        insp = Inspector(f"{HOST}:{main.port}", timeout=1)
+        freeze(proc.pid)
+        report: dict[str, Any] = {"groups": [], "limitations": []}
+        said, _, _ = in_thread(lambda: insp._follow_store(master, report), 60)
+        assert said.startswith(f"{master} accepted a connection but did not answer within 1s"), said
+        os.kill(proc.pid, signal.SIGCONT)
+        poll(lambda: insp._follow_store(master, report) is None, 60, "the workers' store read after it resumed")
+        assert report["groups"][0]["abort"] == {"rank": 1, "reason": "gone"}, report
+
+
+@needs_list_keys
 @pytest.mark.timeout(300)
 def test_cli_on_a_stopped_torchrun_agent_and_following_into_it() -> None:
     """A torchrun node (ctrl rendezvous on a store this test hosts) whose agent, which hosts

@@ -53,6 +53,8 @@ MAX_OBSERVE = 20.0
 # (keep_alive_interval 5 s x keep_alive_max_attempt 3, for c10d's and the ctrl backend alike;
 # the store does not record a run's own settings).
 KEEP_ALIVE_DEAD_AFTER = 15.0
+# Seconds before a followed workers' store that could not be opened is tried again.
+RELINK = 10.0
 # Seconds a store call may take past the timeout before it counts as unanswered (a server that
 # accepted the connection but never answers: a process under SIGSTOP or a debugger).
 GRACE = 1.0
@@ -600,7 +602,7 @@ class Inspector:
         self._follow = follow
         self._ops: dict[tuple[str, str, int, str], _Seen] = {}
         self._beats: dict[tuple[str, str, int], _Beats] = {}
-        self._linked: dict[str, Inspector | str] = {}
+        self._linked: dict[str, Inspector | tuple[str, float]] = {}  # or (error, when to try again)
         self._samples: list[float] = []
 
     def _connect(self) -> _Bounded:
@@ -869,10 +871,15 @@ class Inspector:
         if master == self.address:
             return None
         linked = self._linked.get(master)
-        if linked is None:
-            linked = self._linked[master] = self._open_linked(master)
-        if isinstance(linked, str):
-            return linked
+        if linked is None or (isinstance(linked, tuple) and time.monotonic() >= linked[1]):
+            opened = self._open_linked(master)
+            # A failure is tried again after RELINK seconds (a stopped server resumed, a store
+            # that was not up yet): not at every sample, since each try against a server that
+            # does not answer leaves a thread blocked until it does.
+            linked = opened if isinstance(opened, Inspector) else (opened, time.monotonic() + RELINK)
+            self._linked[master] = linked
+        if isinstance(linked, tuple):
+            return linked[0]
         try:
             sub = linked.sample()
         except NoAnswerError as exc:  # names the address itself
