@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
@@ -98,6 +99,25 @@ def test_from_env_checks_rank_and_port_before_connecting(rank: str, world: str, 
         torch_ctrl.from_env(env=env, timeout=30)
     assert time.monotonic() - started < 5
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "kwargs", "match"),
+    [
+        ({"TORCH_CTRL_ROUND": "x"}, {}, "TORCH_CTRL_ROUND must be set to an integer"),
+        ({"TORCHELASTIC_RESTART_COUNT": "one"}, {}, "TORCHELASTIC_RESTART_COUNT must be set to an integer"),
+        ({}, {"heartbeat_interval": -1}, "heartbeat_interval"),
+    ],
+)
+def test_from_env_checks_its_namespace_and_heartbeat_before_hosting(extra: dict, kwargs: dict, match: str) -> None:
+    """Rank 0 hosts the workers' store: bad input is refused before it does (the port stays
+    free), not after a server that then lives as long as the process."""
+    port = free_port()
+    env = {"MASTER_ADDR": HOST, "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2", **extra}
+    with pytest.raises(ValueError, match=match):
+        torch_ctrl.from_env(env=env, timeout=30, **kwargs)
+    with socket.socket() as sock:
+        sock.bind((HOST, port))  # nobody hosts it
 
 
 @pytest.mark.timeout(60)

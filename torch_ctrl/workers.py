@@ -24,7 +24,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .base import ControlCollectives, Timeout, to_seconds
+from .base import ControlCollectives, Timeout, check_heartbeat, to_seconds
 from .bounded import NoAnswer, within
 from .errors import CollectiveTimeoutError, one_line
 from .keys import escape
@@ -50,7 +50,7 @@ def worker_namespace(env: Mapping[str, str]) -> str:
     global _warned
     run = "torch_ctrl/run/" + (escape(env["TORCHELASTIC_RUN_ID"]) if env.get("TORCHELASTIC_RUN_ID") else "-")
     if env.get(ENV_ROUND):
-        return f"{run}/round{int(env[ENV_ROUND])}"
+        return f"{run}/round{_int_env(env, ENV_ROUND)}"
     if "TORCHELASTIC_RESTART_COUNT" not in env:
         return run
     if not _warned:
@@ -60,7 +60,7 @@ def worker_namespace(env: Mapping[str, str]) -> str:
             "which differs between nodes after a restart; launch with --rdzv-backend=ctrl",
             ENV_ROUND,
         )
-    return f"{run}/restart{int(env['TORCHELASTIC_RESTART_COUNT'])}"
+    return f"{run}/restart{_int_env(env, 'TORCHELASTIC_RESTART_COUNT')}"
 
 
 def encode_hosts(nodes: list[tuple[str, int]]) -> str:
@@ -119,6 +119,8 @@ def from_env(
         raise ValueError(f"from_env: WORLD_SIZE must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"from_env: RANK must be in [0, {world_size}) (WORLD_SIZE), got {rank}")
+    namespace = worker_namespace(env)
+    check_heartbeat(heartbeat_interval)  # the collectives check it again; this is before any server
     if store is None:
         addr = env.get("MASTER_ADDR")
         if not addr:
@@ -140,7 +142,7 @@ def from_env(
             ) from None
     hosts = decode_hosts(env.get(ENV_HOSTS, ""))
     return with_rank_names(StoreCollectives)(
-        dist.PrefixStore(worker_namespace(env), store),
+        dist.PrefixStore(namespace, store),
         rank,
         world_size,
         heartbeat_interval=heartbeat_interval,
