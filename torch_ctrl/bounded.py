@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TypeVar
 
 T = TypeVar("T")
+
+# Seconds past its bound that an abandoned store construction's own timeout runs (see
+# :func:`client_timeout`).
+OUTLIVE = 60.0
 
 
 class NoAnswer(TimeoutError):
@@ -54,3 +59,17 @@ def within(seconds: float, call: Callable[[], T], what: str) -> T:
     if "error" in box:
         raise box["error"]  # type: ignore[misc]
     return box["value"]  # type: ignore[return-value]
+
+
+def client_timeout(bound: float) -> timedelta:
+    """The timeout to construct a TCPStore client with under ``within(bound, ...)``: ``OUTLIVE``
+    seconds longer (set the one the store should keep with ``set_timeout`` once it is made).
+
+    Why: a construction abandoned at the bound does return if the server goes away or closes
+    the connection, once torch's connect loop has retried until the store's timeout. With that
+    timeout equal to the bound, it would return just as the caller reports the failure, often
+    while the process exits, and a thread that comes back from torch while the interpreter
+    finalizes aborts the process (``terminate called without an active exception``). Past
+    the bound by a minute, it comes back after the caller has gone on, or never.
+    """
+    return timedelta(seconds=bound + OUTLIVE)

@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .base import ControlCollectives, Timeout, check_heartbeat, to_seconds
-from .bounded import NoAnswer, within
+from .bounded import NoAnswer, client_timeout, within
 from .errors import CollectiveTimeoutError, one_line
 from .keys import escape
 from .lanes import await_server
@@ -174,10 +174,13 @@ def _connect(addr: str, port: int, host: bool, seconds: float) -> dist.TCPStore:
     # The port accepts connections; a server that then never answers (its process stopped,
     # or not a TCPStore) would block torch's handshake for ever.
     left = max(seconds - (time.monotonic() - start), min(seconds, 5.0))
+    made = client_timeout(left)
     try:
-        return within(left, lambda: dist.TCPStore(addr, port, is_master=False, timeout=timeout), f"{addr}:{port}")
+        store = within(left, lambda: dist.TCPStore(addr, port, is_master=False, timeout=made), f"{addr}:{port}")
     except NoAnswer as exc:
         raise _NoServer(str(exc)) from None
+    store.set_timeout(timeout)  # our own client: the caller's timeout, not the construction's
+    return store
 
 
 class _NoServer(Exception):

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .. import keys as K
 from ..base import ControlCollectives
-from ..bounded import NoAnswer, within
+from ..bounded import NoAnswer, client_timeout, within
 from ..errors import CollectiveAbortedError, CollectiveTimeoutError, format_ranks
 from ..lanes import await_server, peek
 from ..loader import StoreCollectives
@@ -430,7 +430,9 @@ def _abort_workers(worker_group: Any, group: AgentGroup, reason: str, cause: int
     rank = cause if cause is not None and 0 <= cause < first.world_size else first.global_rank
 
     def post() -> None:
-        client = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False)
+        made = client_timeout(ABORT_BOUND)
+        client = dist.TCPStore(addr, port, is_master=False, timeout=made, wait_for_workers=False)
+        client.set_timeout(timedelta(seconds=5))
         coll = StoreCollectives(dist.PrefixStore(namespace, client), rank, first.world_size)
         try:
             coll.abort(reason)

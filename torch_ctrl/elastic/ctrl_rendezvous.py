@@ -55,7 +55,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from ..bounded import within
+from ..bounded import client_timeout, within
 from ..errors import one_line
 from ..lanes import await_server, turn
 
@@ -204,7 +204,8 @@ def connect(params: Any, config: RendezvousConfig) -> tuple[dist.Store, str, int
             if last is not None:
                 break
         left = max(deadline - time.monotonic(), 1.0)
-        kwargs: dict[str, Any] = dict(is_master=server, multi_tenant=True, timeout=timedelta(seconds=left))
+        made = timedelta(seconds=left) if server else client_timeout(left)  # set to read_timeout below
+        kwargs: dict[str, Any] = dict(is_master=server, multi_tenant=True, timeout=made)
         if use_libuv is not None and not use_libuv:
             kwargs["use_libuv"] = False
         try:
