@@ -8,7 +8,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -566,32 +566,38 @@ def torchrun_two_nodes(
             node.kill()
 
 
+# Descriptors of the connections mute_port() accepted, open for the life of the process (see there).
+_MUTED: list[int] = []
+
+
 @contextlib.contextmanager
-def mute_port() -> Any:
+def mute_port() -> Iterator[int]:
     """A port on 127.0.0.1 that accepts connections and never answers (a stopped server's
-    process, another service): yields the port; every connection is closed on exit."""
+    process, another service, not a TCPStore): yields the port. On exit it stops accepting,
+    but the connections it accepted stay open until the process ends: a torch call given up
+    on (blocked in its handshake) then never returns, where a closed connection would send it
+    into torch's connect loop, logging C++ traces until its timeout and then returning, maybe
+    while the interpreter finalizes, which aborts the test process."""
     import socket
 
     listener = socket.socket()
     listener.bind((HOST, 0))
     listener.listen(64)
     accepted: list[socket.socket] = []
-    stop = threading.Event()
 
     def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            accepted.append(conn)
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(listener.accept()[0])
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
     try:
         yield listener.getsockname()[1]
     finally:
-        stop.set()
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept(), which close() does not
         listener.close()
-        for conn in accepted:
-            conn.close()
+        thread.join(10)
+        # Detached: the descriptors stay open through the interpreter's finalization too (a
+        # socket object collected then would close its connection), until the process ends.
+        _MUTED.extend(conn.detach() for conn in accepted)

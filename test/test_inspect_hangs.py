@@ -11,7 +11,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from helpers import HOST, Node, poll
+from helpers import HOST, Node, mute_port, poll
 
 import torch_ctrl
 from torch_ctrl import capabilities
@@ -104,31 +103,6 @@ def frozen_server(keys: dict[str, bytes] | None = None) -> Iterator[tuple[subpro
             os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
         proc.wait(30)
-
-
-@contextlib.contextmanager
-def mute_port() -> Iterator[int]:
-    """A port that accepts TCP connections and never answers (not a TCPStore)."""
-    listener = socket.socket()
-    listener.bind((HOST, 0))
-    listener.listen(16)
-    held: list[socket.socket] = []
-
-    def accept() -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                held.append(listener.accept()[0])
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield listener.getsockname()[1]
-    finally:
-        listener.shutdown(socket.SHUT_RDWR)
-        listener.close()
-        thread.join(10)
-        for conn in held:
-            conn.close()
 
 
 # --------------------------------------------------------------- servers that never answer
