@@ -75,6 +75,32 @@ def test_a_negative_int_too_large_for_a_float_is_a_negative_timeout(impl: str, t
 
 
 @pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+def test_ints_too_long_to_print_are_refused_by_their_size(impl: str) -> None:
+    """A rank, world size or all_sum value of 5000 digits: the ValueError that names the
+    parameter and its range, the int shown by its size (Python refuses to print it), in
+    both implementations; from_env's environment likewise, shortened."""
+    import torch_ctrl
+
+    big = 10**5000
+    cls = make_cls(impl, 0)
+    with pytest.raises(ValueError, match=r"^rank must be in \[0, 2\), got <an int of 16610 bits>$"):
+        cls(dist.HashStore(), big, 2)
+    with pytest.raises(ValueError, match=r"^world_size must be in \[1, \d+\], got <an int of 16610 bits>$"):
+        cls(dist.HashStore(), 0, big)
+    store = dist.HashStore()
+    coll = cls(store, 0, 1)
+    with pytest.raises(ValueError, match=r"^data must fit in a signed 64-bit integer, got -<an int of 16610 bits>$"):
+        coll.all_sum("s", -big)
+    assert store.num_keys() == 0
+    coll.close()
+    env = {"RANK": "9" * 5000, "WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
+    with pytest.raises(
+        ValueError, match=r"^from_env: RANK must be set to an integer, got '9{20}'\.\.\. \(5000 characters\)$"
+    ):
+        torch_ctrl.from_env(env=env)
+
+
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
 def test_every_duration_takes_an_int_too_large_for_a_float(impl: str) -> None:
     """close()'s and abort_on_error()'s bounds are timeouts like the others: 10**400 means the
     maximum, -10**400 is refused as a negative, naming the parameter."""

@@ -517,9 +517,9 @@ def check_init(store: object, rank: object, world_size: object) -> tuple[int, in
         )
     rank_i, world_i = _int("rank", rank), _int("world_size", world_size)
     if not 1 <= world_i <= MAX_WORLD_SIZE:
-        raise ValueError(f"world_size must be in [1, {MAX_WORLD_SIZE}], got {world_i}")
+        raise ValueError(f"world_size must be in [1, {MAX_WORLD_SIZE}], got {shown(world_i)}")
     if not 0 <= rank_i < world_i:
-        raise ValueError(f"rank must be in [0, {world_i}), got {rank_i}")
+        raise ValueError(f"rank must be in [0, {world_i}), got {shown(rank_i)}")
     return rank_i, world_i
 
 
@@ -648,7 +648,7 @@ def to_int64(data: object) -> int:
         raise TypeError("data is required")
     value = _int("data", data)
     if not INT64_MIN <= value <= INT64_MAX:
-        raise ValueError(f"data must fit in a signed 64-bit integer, got {value}")
+        raise ValueError(f"data must fit in a signed 64-bit integer, got {shown(value)}")
     return value
 
 

@@ -189,6 +189,8 @@ class _NoServer(Exception):
 
 def _int_env(env: Mapping[str, str], name: str) -> int:
     value = env.get(name)
-    if value is None or not value.strip().lstrip("-").isdigit():
-        raise ValueError(f"from_env: {name} must be set to an integer, got {value!r}")
+    # 20 digits are past any rank, size or port (and int() refuses more than 4300)
+    if value is None or not value.strip().lstrip("-").isdigit() or len(value.strip()) > 20:
+        said = repr(value) if value is None or len(value) <= 40 else f"{value[:20]!r}... ({len(value)} characters)"
+        raise ValueError(f"from_env: {name} must be set to an integer, got {said}")
     return int(value)
