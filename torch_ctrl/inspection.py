@@ -50,8 +50,9 @@ STOPPED_AFTER = 3
 # beat every 5 s, so one of them is told stopped after 15 s.
 MAX_OBSERVE = 20.0
 # A rendezvous node whose keep-alive is older than this is dead to the rendezvous by default
-# (keep_alive_interval 5 s x keep_alive_max_attempt 3, for c10d's and the ctrl backend alike;
-# the store does not record a run's own settings).
+# (keep_alive_interval 5 s x keep_alive_max_attempt 3, for c10d's and the ctrl backend alike):
+# what a node is judged by when the store does not say its own (c10d's state never does; ctrl
+# nodes record theirs in R/da/{node}).
 KEEP_ALIVE_DEAD_AFTER = 15.0
 # Seconds before a followed workers' store that could not be opened is tried again.
 RELINK = 10.0
@@ -837,7 +838,7 @@ class Inspector:
                     master = f"{addr.decode('utf-8', 'replace')}:{int(port)}"
                     break
         for node in (state or {}).get("nodes", []) + (state or {}).get("waiting", []):
-            if "keep_alive_age_s" in node:  # by the node's own settings where its beat says them
+            if "keep_alive_age_s" in node:  # by the node's own settings where it recorded them
                 limit = node.get("keep_alive_dead_after_s", KEEP_ALIVE_DEAD_AFTER)
                 node["keep_alive_stale"] = node["keep_alive_age_s"] > limit
         current = (state or {}).get("round")
