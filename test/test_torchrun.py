@@ -114,9 +114,8 @@ def test_workers_blocked_when_a_node_is_lost_fail_at_once_naming_it(impl: str) -
     lost = r"node 1 on host \S+ lost: its agent's heartbeat stopped [\d.]+s ago"
     assert re.search(r"torch_ctrl: " + lost, healthy.output), healthy.output
     # the workers' error names it, coming from node 1's first rank (2)
-    assert re.search(r"CollectiveAbortedError: barrier 'never': group aborted by rank 2: " + lost, healthy.output), (
-        healthy.output
-    )
+    said = r"WORKER ERROR CollectiveAbortedError: barrier 'never': group aborted by rank 2: " + lost
+    assert re.search(said, healthy.output), healthy.output
 
 
 @pytest.mark.parametrize("mode", ["flaky-ctrl", "flaky-gloo"])

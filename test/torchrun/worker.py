@@ -80,7 +80,13 @@ def main() -> None:
             import torch_ctrl
 
             print(f"BACKEND {torch_ctrl.backend()}", flush=True)
-            torch_ctrl.from_env(timeout=60).barrier(key="never", timeout=float(sys.argv[2]))
+            try:
+                torch_ctrl.from_env(timeout=60).barrier(key="never", timeout=float(sys.argv[2]))
+            except Exception as exc:
+                # One write of one line: the two workers' tracebacks share the job's stderr and
+                # interleave character by character; a pipe keeps a write under 4 KiB whole.
+                os.write(2, f"WORKER ERROR {type(exc).__name__}: {exc}\n".encode()[:4000])
+                sys.exit(1)
     elif mode in ("flaky-ctrl", "flaky-gloo"):
         marker = sys.argv[2]
         if os.environ["RANK"] == "1" and not os.path.exists(marker):
