@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -601,3 +604,62 @@ def mute_port() -> Iterator[int]:
         # Detached: the descriptors stay open through the interpreter's finalization too (a
         # socket object collected then would close its connection), until the process ends.
         _MUTED.extend(conn.detach() for conn in accepted)
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T in /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def freeze(pid: int) -> None:
+    os.kill(pid, signal.SIGSTOP)
+    poll(lambda: stopped(pid), 30, f"process {pid} stopped")
+
+
+@contextlib.contextmanager
+def frozen_server(keys: dict[str, bytes] | None = None) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """A subprocess hosting a TCPStore (with ``keys``), running: (process, port). The test
+    stops it (:func:`freeze`); cleanup resumes and kills it."""
+    code = (
+        "import sys, torch.distributed as d\n"
+        "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+        f"for k, v in {dict(keys or {})!r}.items(): s.set(k, v)\n"
+        "print(s.port, flush=True)\n"
+        "sys.stdin.read()\n"  # until the test ends it
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RES_OPTIONS": os.environ.get("RES_OPTIONS", "timeout:1 attempts:1")},
+    )
+    try:
+        assert proc.stdout is not None
+        yield proc, int(proc.stdout.readline())
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(30)
+
+
+def in_thread(fn: Callable[[], Any], limit: float) -> tuple[Any, BaseException | None, float]:
+    """``fn()`` on a daemon thread, for at most ``limit`` seconds: (result, exception, seconds).
+    A call still blocked at ``limit`` fails the test (the thread stays blocked until cleanup
+    ends what it waits for)."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append((fn(), None))
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            box.append((None, exc))
+
+    started = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    assert box, f"still blocked after {limit}s"
+    return (*box[0], time.monotonic() - started)

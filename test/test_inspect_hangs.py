@@ -14,13 +14,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch.distributed as dist
-from helpers import HOST, Node, mute_port, poll
+from helpers import HOST, Node, freeze, frozen_server, in_thread, mute_port, poll
 
 import torch_ctrl
 from torch_ctrl import capabilities
@@ -44,65 +42,6 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         timeout=timeout,
         env={**os.environ, **ENV},
     )
-
-
-def stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (state T in /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-
-
-def freeze(pid: int) -> None:
-    os.kill(pid, signal.SIGSTOP)
-    poll(lambda: stopped(pid), 30, f"process {pid} stopped")
-
-
-def in_thread(fn: Callable[[], Any], limit: float) -> tuple[Any, BaseException | None, float]:
-    """``fn()`` on a daemon thread, for at most ``limit`` seconds: (result, exception, seconds).
-    A call still blocked at ``limit`` fails the test (the thread stays blocked until cleanup
-    ends what it waits for)."""
-    box: list[Any] = []
-
-    def run() -> None:
-        try:
-            box.append((fn(), None))
-        except BaseException as exc:  # noqa: BLE001 - returned to the test
-            box.append((None, exc))
-
-    started = time.monotonic()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(limit)
-    assert box, f"still blocked after {limit}s"
-    return (*box[0], time.monotonic() - started)
-
-
-@contextlib.contextmanager
-def frozen_server(keys: dict[str, bytes] | None = None) -> Iterator[tuple[subprocess.Popen[str], int]]:
-    """A subprocess hosting a TCPStore (with ``keys``), running: (process, port). The test
-    stops it (:func:`freeze`); cleanup resumes and kills it."""
-    code = (
-        "import sys, torch.distributed as d\n"
-        "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
-        f"for k, v in {dict(keys or {})!r}.items(): s.set(k, v)\n"
-        "print(s.port, flush=True)\n"
-        "sys.stdin.read()\n"  # until the test ends it
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **ENV},
-    )
-    try:
-        assert proc.stdout is not None
-        yield proc, int(proc.stdout.readline())
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-        proc.wait(30)
 
 
 # --------------------------------------------------------------- servers that never answer
@@ -230,7 +169,6 @@ def test_cli_on_a_stopped_torchrun_agent_and_following_into_it() -> None:
 
 
 def _beating_rank(port: int, rank: int, interval: float, ready: Any, release: Any) -> None:
-    import threading
 
     import torch.distributed as dist
 

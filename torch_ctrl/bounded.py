@@ -1,20 +1,23 @@
 """Calls into torch that a server which accepts connections but never answers would block
-for ever: a TCPStore's process stopped (SIGSTOP, a debugger) or swapping, or a port that is
-not a TCPStore's. torch's client connects, then waits for its handshake's reply with no
-bound, whatever its timeout.
+for ever: a TCPStore's process stopped (SIGSTOP, a debugger) or swapping, its host frozen or
+cut off, or a port that is not a TCPStore's. torch's client connects, then waits for its
+handshake's reply with no bound, whatever its timeout; and every later request that expects a
+reply (``add``, ``get``, ``check``, ``compare_set``, ``wait``) waits for it without bound too.
 
 :func:`within` runs such a call on a daemon thread and gives up on it after a bound. The
 thread is left behind, still blocked (nothing can interrupt it), and ends with the
 connection: for the paths that use this, the process is about to report an error and
-usually to exit.
+usually to exit. :class:`Caller` does the same for a connection that stays in use: while a
+call it gave up on is still blocked, later calls fail at once instead of queueing behind it.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -25,6 +28,72 @@ OUTLIVE = 60.0
 
 class NoAnswer(TimeoutError):
     """The call did not return within its bound; ``str()`` says which call and how long."""
+
+
+class Unanswered(NoAnswer):
+    """An earlier call on the same connection is still unanswered, since ``waited`` seconds."""
+
+    def __init__(self, waited: float) -> None:
+        super().__init__(f"an earlier call has not been answered for {waited:.0f}s")
+        self.waited = waited
+
+
+def _start(call: Callable[[], T], name: str) -> tuple[threading.Event, dict[str, object]]:
+    """``call()`` on a daemon thread: (set when it returned, ``{"value"}`` or ``{"error"}``)."""
+    done = threading.Event()
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done, box
+
+
+def _wait(done: threading.Event, seconds: float) -> bool:
+    # Event.wait refuses bounds past threading.TIMEOUT_MAX (OverflowError); NaN waits not at all.
+    return done.wait(min(seconds, threading.TIMEOUT_MAX) if seconds > 0 else 0.0)
+
+
+def _outcome(box: dict[str, object]) -> Any:
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]
+
+
+class Caller:
+    """The calls of one connection that stays in use, each on a daemon thread and waited for at
+    most a bound (:class:`NoAnswer` then). The call given up on stays blocked in torch's client,
+    holding the connection; until it returns, every later :meth:`call` raises
+    :class:`Unanswered` at once, rather than queue behind it. For one calling thread at a time."""
+
+    def __init__(self, name: str = "torch_ctrl-bounded-call") -> None:
+        self._name = name
+        self._unanswered: tuple[threading.Event, float] | None = None  # (done, started)
+
+    def call(self, seconds: float, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)``'s result or exception, or :class:`NoAnswer` after ``seconds``.
+
+        Raises:
+            Unanswered: an earlier call is still blocked (no new call is made).
+            NoAnswer: this call did not return within ``seconds``.
+        """
+        if self._unanswered is not None:
+            done, started = self._unanswered
+            if not done.is_set():
+                raise Unanswered(time.monotonic() - started)
+            self._unanswered = None
+        started = time.monotonic()
+        done, box = _start(lambda: fn(*args), self._name)
+        if not _wait(done, seconds):
+            self._unanswered = (done, started)
+            raise NoAnswer(f"no answer within {seconds:g}s")
+        return _outcome(box)
 
 
 def within(seconds: float, call: Callable[[], T], what: str) -> T:
@@ -38,27 +107,13 @@ def within(seconds: float, call: Callable[[], T], what: str) -> T:
     Raises:
         NoAnswer: ``"{what} accepted a connection but did not answer within {seconds}s"``.
     """
-    done = threading.Event()
-    box: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-            box["error"] = exc
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="torch_ctrl-bounded-call", daemon=True).start()
-    # Event.wait refuses bounds past threading.TIMEOUT_MAX (OverflowError); NaN waits not at all.
-    if not done.wait(min(seconds, threading.TIMEOUT_MAX) if seconds > 0 else 0.0):
+    done, box = _start(call, "torch_ctrl-bounded-call")
+    if not _wait(done, seconds):
         raise NoAnswer(
             f"{what} accepted a connection but did not answer within {seconds:g}s "
             "(its process is stopped or hung, or it is not a TCPStore server)"
         )
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["value"]  # type: ignore[return-value]
+    return _outcome(box)
 
 
 def client_timeout(bound: float) -> timedelta:

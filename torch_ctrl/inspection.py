@@ -26,7 +26,6 @@ thread and :class:`NoAnswerError` is raised after ``timeout + GRACE`` seconds.
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from . import keys as K
 from . import lanes
 from . import rdzv_state as R
+from .bounded import Caller, NoAnswer, Unanswered
 from .lanes import peek
 
 SCHEMA = "torch_ctrl.inspect/1"
@@ -387,49 +387,29 @@ class NoAnswerError(dist.DistStoreError):
 
 
 class _Caller:
-    """Runs the store calls of one connection, each on a daemon thread of its own, and waits
-    for each at most ``timeout + GRACE`` seconds: then :class:`NoAnswerError`. The thread
-    stays blocked in the call (with the connection) until the server answers or goes away;
-    meanwhile every later call on that connection fails at once (it would queue behind the
-    unanswered one)."""
+    """The store calls of one connection, each waited for at most ``timeout + GRACE`` seconds
+    (a :class:`bounded.Caller`), then :class:`NoAnswerError`. While a call is unanswered, every
+    later one fails at once (it would queue behind the unanswered one)."""
 
     def __init__(self, address: str, timeout: float) -> None:
         self.address = address
         self.timeout = timeout
-        self._unanswered: tuple[threading.Event, float] | None = None  # (done, started)
+        self._caller = Caller(f"torch_ctrl inspect {address}")
 
     def call(self, fn: Any, *args: Any, connecting: bool = False) -> Any:
-        if self._unanswered is not None:
-            done, started = self._unanswered
-            if not done.is_set():
-                waited = time.monotonic() - started
-                raise NoAnswerError(f"{self.address} has not answered a store call for {waited:.0f}s ({_STOPPED})")
-            self._unanswered = None
-        finished = threading.Event()
-        box: list[tuple[bool, Any]] = []
-
-        def run() -> None:
-            try:
-                box.append((True, fn(*args)))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                box.append((False, exc))
-            finally:
-                finished.set()
-
-        started = time.monotonic()
-        threading.Thread(target=run, name=f"torch_ctrl inspect {self.address}", daemon=True).start()
-        if not finished.wait(self.timeout + GRACE):
-            self._unanswered = (finished, started)
+        try:
+            return self._caller.call(self.timeout + GRACE, fn, *args)
+        except Unanswered as exc:
+            raise NoAnswerError(
+                f"{self.address} has not answered a store call for {exc.waited:.0f}s ({_STOPPED})"
+            ) from None
+        except NoAnswer:
             if connecting:
                 raise NoAnswerError(
                     f"{self.address} accepted a connection but did not answer within {self.timeout:g}s "
                     f"({_STOPPED}, or not a TCPStore)"
-                )
-            raise NoAnswerError(f"{self.address} did not answer a read within {self.timeout:g}s ({_STOPPED})")
-        ok, value = box[0]
-        if ok:
-            return value
-        raise value
+                ) from None
+            raise NoAnswerError(f"{self.address} did not answer a read within {self.timeout:g}s ({_STOPPED})") from None
 
 
 class _Bounded:
