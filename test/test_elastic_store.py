@@ -404,3 +404,60 @@ def test_notice_linger_from_the_environment(monkeypatch: pytest.MonkeyPatch, raw
     infinite linger would keep a failed node from exiting; the notice's bound adds to it)."""
     monkeypatch.setenv("TORCH_CTRL_NOTICE_LINGER", raw)
     assert agent._env_seconds("TORCH_CTRL_NOTICE_LINGER", 5.0) == seconds
+
+
+def test_the_monitor_loop_checks_give_up_on_a_stopped_rendezvous_store(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch's monitor loop calls the agent hook that looks for a peer's failure notice. With
+    the agent that hosts the rendezvous store stopped (SIGSTOP), torch's client would hold
+    that look, and the loop, for as long as the stop lasts: a worker failing meanwhile would
+    never be seen. Now the hook waits CHECK_BOUND, then returns torch's own result at once
+    while its read is unanswered, with one warning naming the store; once the store answers, a
+    notice posted meanwhile is seen."""
+    import logging
+    import os
+    import signal
+
+    from helpers import HOST, freeze, frozen_server, in_thread, poll
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+    import torch_ctrl
+
+    monkeypatch.setattr(agent, "CHECK_BOUND", 1.0)
+    monkeypatch.setenv("TORCH_CTRL_AGENT_HEARTBEAT", "0")  # no heartbeat thread blocked on the stopped store
+    healthy = RunResult(state=WorkerState.HEALTHY)
+    worker = SimpleNamespace(local_rank=0, global_rank=0, id=None)
+    spec = SimpleNamespace(local_addr="node-a", role="default")
+    fake = SimpleNamespace(_worker_group=SimpleNamespace(spec=spec, workers=[worker]), _remaining_restarts=3)
+
+    def monitor() -> RunResult:
+        agent.group_of(fake).next_poll = 0.0  # not throttled
+        return agent.monitor_workers(lambda self, wg: healthy, fake, fake._worker_group)
+
+    with frozen_server() as (proc, port):
+        rnd = "torch.rendezvous.job.0"
+        agent._open(fake, dist.PrefixStore(rnd, dist.TCPStore(HOST, port, is_master=False)), 0, 2)
+        try:
+            assert monitor() is healthy
+            freeze(proc.pid)
+            with caplog.at_level(logging.WARNING, logger="torch_ctrl"):
+                took = [in_thread(monitor, 30) for _ in range(3)]
+            assert all(result is healthy and error is None for result, error, _ in took), took
+            assert 0.9 <= took[0][2] < 3 and all(s < 0.5 for _, _, s in took[1:]), took
+            said = [r.getMessage() for r in caplog.records if "has not answered" in r.getMessage()]
+            assert said == [
+                f"torch_ctrl: the rendezvous store at {HOST}:{port} has not answered the agents' checks for 1s: "
+                "the agent that hosts it is stopped or hung (SIGSTOP, a debugger, a frozen machine), or the "
+                "network to it is down; this agent goes on watching its workers"
+            ], said
+            os.kill(proc.pid, signal.SIGCONT)
+            peer_store = dist.PrefixStore(rnd, dist.TCPStore(HOST, port, is_master=False))
+            with torch_ctrl.StoreCollectives(dist.PrefixStore(agent.AGENT_PREFIX, peer_store), 1, 2) as peer:
+                peer.abort("node 1 on host node-b failed: rank 1: exit code 3 (no restarts left)")
+            result = poll(lambda: (r := monitor()) is not healthy and r, 30, "the notice seen")
+            assert result.state == WorkerState.FAILED and fake._remaining_restarts == 0
+            assert "stopped by torch_ctrl: node 1 on host node-b failed" in result.failures[0].message
+            assert int(peer_store.add(f"{agent.AGENT_PREFIX}/{agent.ACKS}", 0)) == 1  # acknowledged
+        finally:
+            agent._close(fake)

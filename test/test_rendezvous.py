@@ -3,8 +3,10 @@ client per handler, handlers as threads (and one as a process that is SIGKILLed)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -14,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from helpers import HOST, free_port, mute_port, poll
+from helpers import HOST, free_port, freeze, frozen_server, in_thread, mute_port, poll
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -24,6 +26,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from torch_ctrl.bench_rendezvous import MeteredStore
+from torch_ctrl.elastic import ctrl_rendezvous
 from torch_ctrl.elastic.ctrl_rendezvous import (
     NativeRendezvousHandler,
     beat_store,
@@ -408,6 +411,53 @@ def test_a_lost_rendezvous_store_names_the_host_that_served_it(caplog: pytest.Lo
         assert [h.shutdown() for h in (a, b)] == [False, False]
     said = [r for r in caplog.records if "could not be closed" in r.getMessage()]
     assert len(said) == 2 and all(r.levelno == logging.INFO and " is gone: " in r.getMessage() for r in said)
+
+
+def test_a_stopped_rendezvous_store_never_freezes_the_monitor_loop(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agent hosting the rendezvous store is stopped (SIGSTOP): torch's client would hold
+    num_nodes_waiting(), which torch's agent calls from the loop that watches its workers, for
+    as long as the stop lasts (for ever), and shutdown() likewise. Now num_nodes_waiting()
+    answers 0 after ASK_BOUND, then at once while its call is unanswered, with one warning
+    naming the host; it counts again once the store answers; shutdown() gives up after
+    close_timeout."""
+    monkeypatch.setattr(ctrl_rendezvous, "ASK_BOUND", 1.0)
+    with frozen_server() as (proc, port):
+        params = RendezvousParameters("ctrl", f"{HOST}:{port}", f"run{port}", 2, 3, is_host=False, **FAST)
+        a, b = create_native_handler(params), create_native_handler(params)
+        join_all([a, b])
+        assert a.num_nodes_waiting() == 0
+        freeze(proc.pid)
+        with caplog.at_level(logging.WARNING, logger="torch_ctrl"):
+            took = [in_thread(a.num_nodes_waiting, 30) for _ in range(3)]
+            assert [value for value, _, _ in took] == [0, 0, 0]
+            assert 0.9 <= took[0][2] < 3, took  # the bound
+            assert all(seconds < 0.5 for _, _, seconds in took[1:]), took  # its call still unanswered
+        said = [r.getMessage() for r in caplog.records if "has not answered" in r.getMessage()]
+        assert len(said) == 1, said
+        store = f"the rendezvous store at {HOST}:{port}"
+        assert f"ctrl rendezvous 'run{port}': {store} has not answered for 1s: " in said[0]
+        assert f"the torchrun agent that hosts it, on {HOST}, is stopped or hung" in said[0]
+
+        os.kill(proc.pid, signal.SIGCONT)
+        arrive = dist.TCPStore(HOST, port, is_master=False)
+        arrive.add(a._k(1, "arrived"), 1)  # a third node waits for the next round
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="torch_ctrl"):
+            poll(lambda: a.num_nodes_waiting() == 1, 30, "the waiting node counted again")
+        assert any("answers again" in r.getMessage() for r in caplog.records)
+
+        freeze(proc.pid)
+        a.config = dataclasses.replace(a.config, close_timeout=1.0)
+        with caplog.at_level(logging.WARNING, logger="torch_ctrl"):
+            left, error, seconds = in_thread(a.shutdown, 30)
+        assert error is None and left is False and seconds < 3, (left, error, seconds)
+        assert any(
+            f"could not be closed: {store} did not answer within close_timeout=1s" in r.getMessage()
+            for r in caplog.records
+        )
+        b._stop_heartbeats()
 
 
 @pytest.mark.parametrize(

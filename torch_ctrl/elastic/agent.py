@@ -41,9 +41,9 @@ import torch.distributed as dist
 
 from .. import keys as K
 from ..base import ControlCollectives
-from ..bounded import NoAnswer, client_timeout, within
+from ..bounded import Caller, NoAnswer, Unanswered, client_timeout, within
 from ..errors import CollectiveAbortedError, CollectiveTimeoutError, format_ranks
-from ..lanes import await_server, peek
+from ..lanes import await_server, peek, server_of
 from ..loader import StoreCollectives
 from ..watcher import DEAD_AFTER
 from ..workers import ENV_HOSTS, ENV_ROUND, encode_hosts, worker_namespace
@@ -60,6 +60,11 @@ NOTIFY_BOUND = 10.0
 # Seconds the abort of the workers' collectives may take (connect, post, close) before an agent
 # that found a node lost gives up on a workers' store that does not answer and goes on.
 ABORT_BOUND = 10.0
+# Seconds the checks made from torch's monitor loop (a peer's notice, the next node's heartbeat)
+# may wait for the rendezvous store: one whose host stopped answering (SIGSTOP, a debugger, a
+# frozen machine, a network cut) would hold torch's client, and the loop, for ever.
+CHECK_BOUND = 5.0
+SILENT_LOG_EVERY = 60.0  # seconds between the warnings that the store still does not answer
 MAX_HOSTS_ENV = 32 << 10  # TORCH_CTRL_HOSTS is not exported beyond this size
 
 
@@ -96,6 +101,8 @@ class AgentGroup:
     watched: tuple[bytes, float] | None = None  # the next node's counter and when it last moved
     next_watch: float = 0.0
     lost: bool = False  # a lost node was reported this round
+    checks: Caller = field(default_factory=lambda: Caller("torch_ctrl-agent-check"))  # bounded
+    silence_logged: float | None = None  # how silent the store was at the last warning
 
     def host_of(self, rank: int) -> str:
         return self.nodes[rank][0] if 0 <= rank < len(self.nodes) else "?"
@@ -145,8 +152,8 @@ class AgentGroup:
         """Record a peer's notice and tell its sender it has been read; returns the log line."""
         self.notice = (rank, reason)
         try:
-            self.store.add(ACKS, 1)
-        except Exception as exc:  # noqa: BLE001 - the sender may be gone already
+            within(CHECK_BOUND, lambda: self.store.add(ACKS, 1), "the rendezvous store")
+        except Exception as exc:  # noqa: BLE001 - the sender may be gone already (or stopped)
             log.debug("torch_ctrl: could not acknowledge the failure notice: %s", exc)
         return self.describe(rank, reason)
 
@@ -290,36 +297,66 @@ def monitor_workers(original: Callable[..., Any], self: Any, worker_group: Any) 
     if result.state == WorkerState.HEALTHY and now < group.next_poll:
         return result
     group.next_poll = now + POLL
+    healthy = result.state == WorkerState.HEALTHY
     try:
-        notice = group.peer_notice()
+        notice, lost = group.checks.call(CHECK_BOUND, _look, group, healthy, now)
+    except NoAnswer as exc:
+        _silent(group, exc.waited if isinstance(exc, Unanswered) else CHECK_BOUND)
+        return result
     except Exception as exc:  # noqa: BLE001 - torch's own store calls will report it
         log.debug("torch_ctrl: notice check failed: %s", exc)
         return result
+    if group.silence_logged is not None:
+        group.silence_logged = None
+        log.warning("torch_ctrl: the rendezvous store%s answers the agents' checks again", _at(group))
     if notice is None:
-        if result.state == WorkerState.HEALTHY:
-            _check_neighbour(self, worker_group, group, now)
+        if lost is not None:
+            _lost(self, worker_group, group, *lost)
         return result
     line = group.acknowledge(*notice)
     self._remaining_restarts = 0  # the job has failed on another node: restarting cannot help
     log.error("[%s] torch_ctrl: %s; stopping this node's workers", worker_group.spec.role, line)
-    if result.state != WorkerState.HEALTHY:
+    if not healthy:
         return result
     return RunResult(state=WorkerState.FAILED, failures=_stopped(worker_group, line))
 
 
-def _check_neighbour(agent: Any, worker_group: Any, group: AgentGroup, now: float) -> None:
+def _look(group: AgentGroup, healthy: bool, now: float) -> tuple[tuple[int, str] | None, tuple[int, float] | None]:
+    """A peer's failure notice, and (workers healthy, no notice) a lost next node."""
+    notice = group.peer_notice()
+    if notice is not None or not healthy:
+        return notice, None
+    try:
+        return None, group.lost_neighbour(now)
+    except Exception as exc:  # noqa: BLE001 - torch's own store calls will report it
+        log.debug("torch_ctrl: liveness check failed: %s", exc)
+        return None, None
+
+
+def _at(group: AgentGroup) -> str:
+    server = server_of(group.store)
+    return f" at {server}" if server else ""
+
+
+def _silent(group: AgentGroup, waited: float) -> None:
+    """Warn that the store does not answer the checks: at once, then every SILENT_LOG_EVERY s."""
+    if group.silence_logged is not None and waited - group.silence_logged < SILENT_LOG_EVERY:
+        return
+    group.silence_logged = waited
+    log.warning(
+        "torch_ctrl: the rendezvous store%s has not answered the agents' checks for %.0fs: the agent that "
+        "hosts it is stopped or hung (SIGSTOP, a debugger, a frozen machine), or the network to it is down; "
+        "this agent goes on watching its workers",
+        _at(group),
+        waited,
+    )
+
+
+def _lost(agent: Any, worker_group: Any, group: AgentGroup, node: int, silent: float) -> None:
     """A node lost without a word (its agent SIGKILLed, its host down) while workers run:
     abort the workers' collectives of the round, so that workers blocked in them fail at once
     naming it, instead of waiting out their timeout. What happens next is torch's: the
     workers that fail end this round (restart or failure, as ``--max-restarts`` says)."""
-    try:
-        lost = group.lost_neighbour(now)
-    except Exception as exc:  # noqa: BLE001 - torch's own store calls will report it
-        log.debug("torch_ctrl: liveness check failed: %s", exc)
-        return
-    if lost is None:
-        return
-    node, silent = lost
     group.lost = True
     line = (
         f"node {node} on host {group.host_of(node)} lost: its agent's heartbeat stopped {silent:.1f}s ago "

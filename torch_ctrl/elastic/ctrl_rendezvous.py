@@ -55,7 +55,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from ..bounded import client_timeout, within
+from ..bounded import Caller, NoAnswer, Unanswered, client_timeout, within
 from ..errors import one_line
 from ..lanes import await_server, turn
 
@@ -75,6 +75,15 @@ MEMBER = 1 << 24
 SEALED = 1 << 48
 
 SPARE, DEAD, CLOSED = "s", "d", "c"
+
+# torch's agent asks num_nodes_waiting() from the loop that monitors its workers (every
+# --monitor-interval). A rendezvous store that stops answering (its host's agent stopped by
+# SIGSTOP or a debugger, a frozen VM, a network cut) holds torch's client with no bound, so
+# the ask waits at most this long; the loop then goes on (this node's workers are still
+# watched, and a failure of theirs is still reported), counting no waiting nodes meanwhile.
+ASK_BOUND = 5.0
+# Seconds between the warnings that the store still does not answer.
+SILENT_LOG_EVERY = 60.0
 
 _local_ids = itertools.count()  # process-wide, like c10d's node descriptors (next() is atomic under the GIL)
 
@@ -403,6 +412,8 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         self._lead_check = 0.0
         # Named in the errors of a lost store: the host to look at is the one that serves it.
         self._address = _address_of(store)
+        self._asker = Caller("torch_ctrl-rdzv-ask")  # num_nodes_waiting()'s bounded calls
+        self._silence_logged: float | None = None  # how silent the store was at the last warning
 
     # ---------------------------------------------------------------- identity and keys
     @property
@@ -446,12 +457,48 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for the next round that it can admit: one ``add(…, 0)`` on the next
         round's arrival counter. Spares are not counted while this round is full, unless one of
-        its members is re-joining (then every member must restart)."""
+        its members is re-joining (then every member must restart).
+
+        Waits at most :data:`ASK_BOUND` seconds for the store: a store that does not answer
+        counts as no waiting nodes (with a warning naming its host, every
+        :data:`SILENT_LOG_EVERY` seconds), so torch's monitor loop never freezes on it."""
         if self.round is None:
             return 0
-        v = int(self._call(self._store.add, self._k(self.round + 1, "arrived"), 0))
+        key = self._k(self.round + 1, "arrived")
+        try:
+            v = int(self._asker.call(ASK_BOUND, self._call, self._store.add, key, 0))
+        except Unanswered as exc:
+            self._silent(exc.waited)
+            return 0
+        except NoAnswer:
+            self._silent(ASK_BOUND)
+            return 0
+        if self._silence_logged is not None:
+            self._silence_logged = None
+            log.warning("torch_ctrl: ctrl rendezvous '%s': %s answers again", self.config.run_id, self._where())
         count, members = v & COUNT_MASK, (v >> 24) & COUNT_MASK
         return count if members or self._world_size < self.config.max_nodes else 0
+
+    def _where(self) -> str:
+        return _store_named(self._address)
+
+    def _silent(self, waited: float) -> None:
+        """Warn that the store does not answer: at once, then every ``SILENT_LOG_EVERY`` s."""
+        if self._silence_logged is not None and waited - self._silence_logged < SILENT_LOG_EVERY:
+            return
+        self._silence_logged = waited
+        hosted = "the process that hosts it"
+        if self._address is not None:
+            hosted = f"the torchrun agent that hosts it, on {self._address[0]},"
+        log.warning(
+            "torch_ctrl: ctrl rendezvous '%s': %s has not answered for %.0fs: %s is stopped or hung "
+            "(SIGSTOP, a debugger, a frozen machine), or the network to it is down; this agent goes on "
+            "watching its workers and counts no nodes waiting to join until it answers",
+            self.config.run_id,
+            self._where(),
+            waited,
+            hosted,
+        )
 
     @_state_checked
     def set_closed(self) -> None:
@@ -481,8 +528,18 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         _beater.forget(self)
         try:
             self._call(self._beats.set, self._hb_key, self._withdrawn())
-            self.set_closed()
+            # Bounded: a store that stopped answering would hold the agent's exit for ever.
+            within(self.config.close_timeout, self.set_closed, self._where())
             return True
+        except NoAnswer:
+            log.warning(
+                "torch_ctrl: the ctrl rendezvous '%s' could not be closed: %s did not answer within "
+                "close_timeout=%gs (its host's agent stopped or hung, or the network to it is down)",
+                self.config.run_id,
+                self._where(),
+                self.config.close_timeout,
+            )
+            return False
         except _errors().RendezvousError as exc:
             # A store that is gone took the run with it: its host's agent finished first (a
             # failed node's agent often outlives the host it notified). Nothing is left to close.
@@ -864,6 +921,14 @@ def _address_of(store: dist.Store) -> tuple[str, int] | None:
     return (host, port) if isinstance(host, str) and isinstance(port, int) else None
 
 
+def _store_named(address: tuple[str, int] | None) -> str:
+    """``the rendezvous store at HOST:PORT`` (an IPv6 host in brackets)."""
+    if address is None:
+        return "the rendezvous store"
+    host, port = address
+    return f"the rendezvous store at {f'[{host}]' if ':' in host else host}:{port}"
+
+
 def _connection_error(exc: Exception, run_id: str, address: tuple[str, int] | None) -> Exception:
     """One line: the run, the store's address, torch's cause, and, when the store is gone, where
     to look (the agent that hosts it, on the endpoint's host by c10d's ``is_host`` rules)."""
@@ -872,7 +937,7 @@ def _connection_error(exc: Exception, run_id: str, address: tuple[str, int] | No
     what = "the rendezvous store failed:"
     if address is not None:
         host, port = address
-        what = f"the rendezvous store at {f'[{host}]' if ':' in host else host}:{port}"
+        what = _store_named(address)
         if any(s in cause.lower() for s in _LOST) and await_server(host, port, 0.5) is not None:
             what += f"{_GONE}the torchrun agent that hosts it, on {host}, exited or cannot be reached"
             cause = f"({cause})"
