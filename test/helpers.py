@@ -534,13 +534,14 @@ def torchrun_two_nodes(
     during: Callable[[list[Node]], None] | None = None,
     endpoint: str | None = None,
     run_id: str | None = None,
+    rdzv_conf: str = "",
 ) -> list[Node]:
     """Two torchruns (2 workers each) on 127.0.0.1 running ``worker.py *mode``; node
     ``host_node`` hosts the rendezvous store; ``failing_node``'s local rank 1 gets
     ``CTRL_TEST_FAIL=1``; ``backend=None`` leaves ``--rdzv-backend`` out; ``env`` is added to
     both launchers' environment; ``during(nodes)`` runs once both are started; ``endpoint``
     replaces the rendezvous endpoint (a free port on 127.0.0.1) and ``run_id`` the run id
-    (``test{port}``). Node 0 starts first, so it
+    (``test{port}``); ``rdzv_conf`` is added to ``--rdzv-conf``. Node 0 starts first, so it
     becomes node rank 0 (ranks follow pids)."""
     port = free_port()
     endpoint = endpoint or f"{HOST}:{port}"
@@ -553,7 +554,7 @@ def torchrun_two_nodes(
                 *([f"--rdzv-backend={backend}"] if backend else []),
                 f"--rdzv-endpoint={endpoint}",
                 f"--rdzv-id={run_id or f'test{port}'}",
-                f"--rdzv-conf=is_host={int(n == host_node)}",
+                f"--rdzv-conf=is_host={int(n == host_node)}{',' + rdzv_conf if rdzv_conf else ''}",
                 f"--max-restarts={max_restarts}",
                 "--monitor-interval=0.1",
                 WORKER,

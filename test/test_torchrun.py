@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import torchrun_two_nodes
+from helpers import HOST, Node, free_port, freeze, torchrun_two_nodes
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -116,6 +116,39 @@ def test_workers_blocked_when_a_node_is_lost_fail_at_once_naming_it(impl: str) -
     # the workers' error names it, coming from node 1's first rank (2)
     said = r"WORKER ERROR CollectiveAbortedError: barrier 'never': group aborted by rank 2: " + lost
     assert re.search(said, healthy.output), healthy.output
+
+
+def test_a_failure_is_reported_while_the_rendezvous_host_is_stopped() -> None:
+    """Node 0's agent, which hosts the rendezvous store, is stopped (SIGSTOP) while the workers
+    run; then a worker of node 1 exits 3, no restarts left. torch's store client held node 1's
+    monitor loop for as long as the stop lasted, so the failure was never seen and the job
+    hung. Now node 1's agent warns that the store does not answer, naming it, sees its
+    worker fail, and exits 1 naming the failure."""
+    endpoint = f"{HOST}:{free_port()}"
+
+    def during(nodes: list[Node]) -> None:
+        nodes[1].wait_for("WORKING", 90)
+        freeze(nodes[0].proc.pid)
+        try:
+            nodes[1].wait(90)
+        finally:
+            nodes[0].kill_all()  # stopped: SIGKILL still ends it
+
+    failed = torchrun_two_nodes(
+        ["fail-working", "3"],
+        host_node=0,
+        failing_node=1,
+        endpoint=endpoint,
+        rdzv_conf="close_timeout=3",
+        env={"TORCH_CTRL_NOTICE_LINGER": "1"},
+        during=during,
+    )[1]
+    _report("rendezvous host stopped, then a worker failed: the other node exited after", failed.elapsed)
+    assert failed.returncode == 1, failed.output
+    assert failed.elapsed < 90, failed.output
+    assert f"the rendezvous store at {endpoint} has not answered" in failed.output, failed.output
+    said = r"node 1 on host \S+ failed: rank 3: exit code 3(, rank 2: killed by SIGTERM)? \(no restarts left\)"
+    assert re.search(said, failed.output), failed.output
 
 
 @pytest.mark.parametrize("mode", ["flaky-ctrl", "flaky-gloo"])

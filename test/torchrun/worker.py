@@ -10,6 +10,8 @@ Modes:
                      seconds; the other node's workers exit 0 at once
   lost-node SECS     as node-works, but the other node's workers block in a from_env()
                      barrier (timeout SECS) that the working node's never join
+  fail-working SECS  the workers of the CTRL_TEST_FAIL=1 node print WORKING; there local rank
+                     1 exits 3 after SECS seconds; every other worker works (sleeps) 120 s
   flaky-ctrl MARKER  rank 1 exits 3 on the first attempt (no MARKER file yet); then collectives
   flaky-gloo MARKER  the same, then init_process_group("gloo") and an all_reduce
 """
@@ -87,6 +89,13 @@ def main() -> None:
                 # interleave character by character; a pipe keeps a write under 4 KiB whole.
                 os.write(2, f"WORKER ERROR {type(exc).__name__}: {exc}\n".encode()[:4000])
                 sys.exit(1)
+    elif mode == "fail-working":
+        if os.environ.get("CTRL_TEST_FAIL") == "1":
+            print("WORKING", flush=True)
+            if failing:
+                time.sleep(float(sys.argv[2]))
+                sys.exit(3)
+        time.sleep(120)
     elif mode in ("flaky-ctrl", "flaky-gloo"):
         marker = sys.argv[2]
         if os.environ["RANK"] == "1" and not os.path.exists(marker):
