@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
+import os
+import signal
 from datetime import timedelta
 from multiprocessing.pool import ThreadPool
 from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
-from helpers import _CONNECT, Stores, make, run_ranks
+from helpers import _CONNECT, HOST, Stores, freeze, frozen_server, in_thread, make, poll, run_ranks
 
 import torch_ctrl.elastic as elastic
 from torch_ctrl import capabilities
@@ -406,6 +409,14 @@ def test_notice_linger_from_the_environment(monkeypatch: pytest.MonkeyPatch, raw
     assert agent._env_seconds("TORCH_CTRL_NOTICE_LINGER", 5.0) == seconds
 
 
+def _fake_agent() -> SimpleNamespace:
+    """What the agent hooks read of torch's agent: one node, one worker, default role."""
+    worker = SimpleNamespace(local_rank=0, global_rank=0, id=None)
+    spec = SimpleNamespace(local_addr="node-a", role="default")
+    group = SimpleNamespace(spec=spec, workers=[worker], state="SUCCEEDED")
+    return SimpleNamespace(_worker_group=group, _remaining_restarts=3, _exit_barrier_timeout=1, _in_exit_barrier=False)
+
+
 def test_the_monitor_loop_checks_give_up_on_a_stopped_rendezvous_store(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -415,11 +426,6 @@ def test_the_monitor_loop_checks_give_up_on_a_stopped_rendezvous_store(
     never be seen. Now the hook waits CHECK_BOUND, then returns torch's own result at once
     while its read is unanswered, with one warning naming the store; once the store answers, a
     notice posted meanwhile is seen."""
-    import logging
-    import os
-    import signal
-
-    from helpers import HOST, freeze, frozen_server, in_thread, poll
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
     import torch_ctrl
@@ -427,9 +433,7 @@ def test_the_monitor_loop_checks_give_up_on_a_stopped_rendezvous_store(
     monkeypatch.setattr(agent, "CHECK_BOUND", 1.0)
     monkeypatch.setenv("TORCH_CTRL_AGENT_HEARTBEAT", "0")  # no heartbeat thread blocked on the stopped store
     healthy = RunResult(state=WorkerState.HEALTHY)
-    worker = SimpleNamespace(local_rank=0, global_rank=0, id=None)
-    spec = SimpleNamespace(local_addr="node-a", role="default")
-    fake = SimpleNamespace(_worker_group=SimpleNamespace(spec=spec, workers=[worker]), _remaining_restarts=3)
+    fake = _fake_agent()
 
     def monitor() -> RunResult:
         agent.group_of(fake).next_poll = 0.0  # not throttled
@@ -459,5 +463,32 @@ def test_the_monitor_loop_checks_give_up_on_a_stopped_rendezvous_store(
             assert result.state == WorkerState.FAILED and fake._remaining_restarts == 0
             assert "stopped by torch_ctrl: node 1 on host node-b failed" in result.failures[0].message
             assert int(peer_store.add(f"{agent.AGENT_PREFIX}/{agent.ACKS}", 0)) == 1  # acknowledged
+        finally:
+            agent._close(fake)
+
+
+def test_the_exit_barrier_leaves_a_stopped_rendezvous_store(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent whose workers succeeded waits for the others in the exit barrier: with the
+    agent that hosts the rendezvous store stopped (SIGSTOP), torch's client held it past the
+    barrier's timeout, for as long as the stop lasted. Now it leaves EXIT_GRACE after the
+    timeout, saying which store did not answer."""
+    monkeypatch.setattr(agent, "EXIT_GRACE", 1.0)
+    monkeypatch.setenv("TORCH_CTRL_AGENT_HEARTBEAT", "0")
+    fake = _fake_agent()
+    with frozen_server() as (proc, port):
+        agent._open(fake, dist.PrefixStore("torch.rendezvous.job.0", dist.TCPStore(HOST, port, is_master=False)), 0, 2)
+        try:
+            freeze(proc.pid)
+            with caplog.at_level(logging.ERROR, logger="torch_ctrl"):
+                _, error, took = in_thread(lambda: agent.exit_barrier(lambda self: None, fake), 30)
+            assert error is None and 1.9 <= took < 5, (error, took)
+            said = [r.getMessage() for r in caplog.records]
+            assert any(
+                f"left the exit barrier after 2s: the rendezvous store at {HOST}:{port} does not answer" in m
+                for m in said
+            ), said
+            assert fake._in_exit_barrier is False
         finally:
             agent._close(fake)

@@ -65,6 +65,9 @@ ABORT_BOUND = 10.0
 # frozen machine, a network cut) would hold torch's client, and the loop, for ever.
 CHECK_BOUND = 5.0
 SILENT_LOG_EVERY = 60.0  # seconds between the warnings that the store still does not answer
+# Seconds past --exit-barrier-timeout after which an agent leaves an exit barrier whose store
+# never answered (torch's client waits past its timeout for a server that stopped answering).
+EXIT_GRACE = 10.0
 MAX_HOSTS_ENV = 32 << 10  # TORCH_CTRL_HOSTS is not exported beyond this size
 
 
@@ -500,9 +503,20 @@ def exit_barrier(original: Callable[..., Any], self: Any) -> None:
     )
     start = time.monotonic()
     self._in_exit_barrier = True
+    timeout = float(self._exit_barrier_timeout)
     try:
-        group.coll.barrier(key="exit", timeout=self._exit_barrier_timeout)
+        # On a thread, bounded: a store whose host stopped answering would hold this agent (and
+        # the end of the job) for ever; the wait here also takes a SIGTERM at once.
+        within(timeout + EXIT_GRACE, lambda: group.coll.barrier(key="exit", timeout=timeout), "the rendezvous store")
         log.info("[%s] Done waiting for other agents. Elapsed: %.1f seconds", role, time.monotonic() - start)
+    except NoAnswer:
+        log.error(
+            "[%s] torch_ctrl: left the exit barrier after %.0fs: the rendezvous store%s does not answer (the agent "
+            "that hosts it is stopped or hung, or the network to it is down)",
+            role,
+            time.monotonic() - start,
+            _at(group),
+        )
     except CollectiveAbortedError as exc:
         line = group.acknowledge(exc.rank, exc.reason)
         log.error("[%s] torch_ctrl: %s; left the exit barrier after %.1fs", role, line, time.monotonic() - start)
