@@ -413,6 +413,25 @@ def test_a_lost_rendezvous_store_names_the_host_that_served_it(caplog: pytest.Lo
     assert len(said) == 2 and all(r.levelno == logging.INFO and " is gone: " in r.getMessage() for r in said)
 
 
+def test_heartbeats_stop_with_one_warning_once_their_connection_is_lost(caplog: pytest.LogCaptureFixture) -> None:
+    """The rendezvous store's host is gone while a handler lives on (an agent that outlives
+    it, a handler nobody shut down): every beat failed and logged again, with torch's C++
+    trace, for as long as the process lived. Now the handler stops beating after the first
+    failure, with one warning naming the store."""
+    job = Job(1, 1)
+    a = job.node()
+    join_all([a])
+    with caplog.at_level(logging.WARNING, logger="torch_ctrl"):
+        del job.server  # the hosting agent is gone
+        poll(lambda: id(a) not in ctrl_rendezvous._beater._due, 30, "the handler no longer beating")
+    said = [r.getMessage() for r in caplog.records if "heartbeat" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith(
+        f"torch_ctrl: rendezvous heartbeats stopped: the connection to the rendezvous store at {HOST}:{job.port} "
+        "was lost ("
+    ), said
+
+
 def test_a_stopped_rendezvous_store_never_freezes_the_monitor_loop(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

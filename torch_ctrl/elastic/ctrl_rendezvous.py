@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from ..bounded import Caller, NoAnswer, Unanswered, client_timeout, within
 from ..errors import one_line
-from ..lanes import await_server, turn
+from ..lanes import await_server, connection_lost, turn
 
 log = logging.getLogger("torch_ctrl.elastic")
 
@@ -301,18 +301,36 @@ class _Beater:
                         del self._due[i]
                     else:
                         self._due[i] = (ref, now + h.config.keep_alive_interval)
-            batches: dict[int, tuple[dist.Store, list[str], list[str]]] = {}
-            for _, ref in due:
+            batches: dict[int, tuple[dist.Store, list[str], list[str], list[int]]] = {}
+            for i, ref in due:
                 h = ref()
                 if h is not None:
-                    store, keys, values = batches.setdefault(id(h._beats), (h._beats, [], []))
+                    store, keys, values, ids = batches.setdefault(id(h._beats), (h._beats, [], [], []))
                     keys.append(h._hb_key)
                     values.append(h._beat_value())
-            for store, keys, values in batches.values():
+                    ids.append(i)
+            for store, keys, values, ids in batches.values():
                 try:
                     store.multi_set(keys, values)
                 except Exception as exc:  # noqa: BLE001 - a missed beat is what keep_alive_max_attempt allows
-                    log.warning("torch_ctrl: rendezvous heartbeat failed: %s", str(exc).splitlines()[0] if exc else exc)
+                    self._failed(store, ids, exc)
+
+    def _failed(self, store: dist.Store, ids: list[int], exc: Exception) -> None:
+        """A lost connection stays lost (torch's client does not reconnect): its handlers stop
+        beating, with one warning, where every later beat would fail and log again, with torch's
+        C++ trace, for as long as the process lives. Their peers take them for dead."""
+        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if not connection_lost(exc):
+            log.warning("torch_ctrl: rendezvous heartbeat failed: %s", cause)
+            return
+        with self._cv:
+            for i in ids:
+                self._due.pop(i, None)
+        log.warning(
+            "torch_ctrl: rendezvous heartbeats stopped: the connection to %s was lost (%s)",
+            _store_named(_address_of(store)),
+            cause,
+        )
 
 
 _beater = _Beater()
