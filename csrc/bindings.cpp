@@ -332,6 +332,56 @@ PYBIND11_MODULE(_C, m) {
     }
     return out;
   });
+  // One store call for a caller that may give up on it (torch_ctrl/bounded.py, `parked`): the
+  // call runs with the GIL released and takes it back through take_gil_back, so that a call
+  // answered while the interpreter finalizes parks its thread. torch's own binding takes the
+  // GIL back in a destructor, and a daemon thread ended there aborts the process.
+  m.def("_parked_call", [](c10::intrusive_ptr<c10d::Store> store, const std::string& op, const py::args& args) {
+    auto text = [&](size_t i) { return args[i].cast<std::string>(); };
+    auto bytes_of = [](const py::handle& h) {  // str or bytes, as torch's binding takes them
+      std::string raw = py::isinstance<py::str>(h) ? h.cast<std::string>() : std::string(h.cast<py::bytes>());
+      return std::vector<uint8_t>(raw.begin(), raw.end());
+    };
+    auto value = [&](size_t i) { return bytes_of(args[i]); };
+    auto out = [](const std::vector<uint8_t>& v) {
+      return py::object(py::bytes(reinterpret_cast<const char*>(v.data()), v.size()));
+    };
+    if (op == "add" && args.size() == 2) {
+      auto key = text(0);
+      auto by = args[1].cast<int64_t>();
+      return py::object(py::int_(nogil([&] { return store->add(key, by); })));
+    }
+    if (op == "compare_set" && args.size() == 3) {
+      auto key = text(0);
+      auto expected = value(1), desired = value(2);
+      return out(nogil([&] { return store->compareSet(key, expected, desired); }));
+    }
+    if (op == "get" && args.size() == 1) {
+      auto key = text(0);
+      return out(nogil([&] { return store->get(key); }));
+    }
+    if (op == "set" && args.size() == 2) {
+      auto key = text(0);
+      auto v = value(1);
+      nogil([&] { store->set(key, v); });
+      return py::object(py::none());
+    }
+    if (op == "check" && args.size() == 1) {
+      auto keys = args[0].cast<std::vector<std::string>>();
+      return py::object(py::bool_(nogil([&] { return store->check(keys); })));
+    }
+    if (op == "multi_set" && args.size() == 2) {
+      auto keys = args[0].cast<std::vector<std::string>>();
+      std::vector<std::vector<uint8_t>> values;
+      for (const auto& item : args[1].cast<py::list>()) {
+        values.push_back(bytes_of(item));
+      }
+      nogil([&] { store->multiSet(keys, values); });
+      return py::object(py::none());
+    }
+    throw py::value_error("torch_ctrl._C._parked_call: no store call '" + op + "' with " +
+                          std::to_string(args.size()) + " arguments");
+  });
   main_thread_ident = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   m.def("_set_main_thread", [](unsigned long ident) { main_thread_ident = ident; });
   m.def("_leave_process", &torch_ctrl::leave_process,

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
-import os
-import signal
 from datetime import timedelta
 from multiprocessing.pool import ThreadPool
 from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
-from helpers import _CONNECT, HOST, Stores, freeze, frozen_server, in_thread, make, poll, run_ranks
+from helpers import _CONNECT, Stores, make, run_ranks
 
 import torch_ctrl.elastic as elastic
 from torch_ctrl import capabilities
@@ -407,88 +404,3 @@ def test_notice_linger_from_the_environment(monkeypatch: pytest.MonkeyPatch, raw
     infinite linger would keep a failed node from exiting; the notice's bound adds to it)."""
     monkeypatch.setenv("TORCH_CTRL_NOTICE_LINGER", raw)
     assert agent._env_seconds("TORCH_CTRL_NOTICE_LINGER", 5.0) == seconds
-
-
-def _fake_agent() -> SimpleNamespace:
-    """What the agent hooks read of torch's agent: one node, one worker, default role."""
-    worker = SimpleNamespace(local_rank=0, global_rank=0, id=None)
-    spec = SimpleNamespace(local_addr="node-a", role="default")
-    group = SimpleNamespace(spec=spec, workers=[worker], state="SUCCEEDED")
-    return SimpleNamespace(_worker_group=group, _remaining_restarts=3, _exit_barrier_timeout=1, _in_exit_barrier=False)
-
-
-def test_the_monitor_loop_checks_give_up_on_a_stopped_rendezvous_store(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """torch's monitor loop calls the agent hook that looks for a peer's failure notice. With
-    the agent that hosts the rendezvous store stopped (SIGSTOP), torch's client would hold
-    that look, and the loop, for as long as the stop lasts: a worker failing meanwhile would
-    never be seen. Now the hook waits CHECK_BOUND, then returns torch's own result at once
-    while its read is unanswered, with one warning naming the store; once the store answers, a
-    notice posted meanwhile is seen."""
-    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
-
-    import torch_ctrl
-
-    monkeypatch.setattr(agent, "CHECK_BOUND", 1.0)
-    monkeypatch.setenv("TORCH_CTRL_AGENT_HEARTBEAT", "0")  # no heartbeat thread blocked on the stopped store
-    healthy = RunResult(state=WorkerState.HEALTHY)
-    fake = _fake_agent()
-
-    def monitor() -> RunResult:
-        agent.group_of(fake).next_poll = 0.0  # not throttled
-        return agent.monitor_workers(lambda self, wg: healthy, fake, fake._worker_group)
-
-    with frozen_server() as (proc, port):
-        rnd = "torch.rendezvous.job.0"
-        agent._open(fake, dist.PrefixStore(rnd, dist.TCPStore(HOST, port, is_master=False)), 0, 2)
-        try:
-            assert monitor() is healthy
-            freeze(proc.pid)
-            with caplog.at_level(logging.WARNING, logger="torch_ctrl"):
-                took = [in_thread(monitor, 30) for _ in range(3)]
-            assert all(result is healthy and error is None for result, error, _ in took), took
-            assert 0.9 <= took[0][2] < 3 and all(s < 0.5 for _, _, s in took[1:]), took
-            said = [r.getMessage() for r in caplog.records if "has not answered" in r.getMessage()]
-            assert said == [
-                f"torch_ctrl: the rendezvous store at {HOST}:{port} has not answered the agents' checks for 1s: "
-                "the agent that hosts it is stopped or hung (SIGSTOP, a debugger, a frozen machine), or the "
-                "network to it is down; this agent goes on watching its workers"
-            ], said
-            os.kill(proc.pid, signal.SIGCONT)
-            peer_store = dist.PrefixStore(rnd, dist.TCPStore(HOST, port, is_master=False))
-            with torch_ctrl.StoreCollectives(dist.PrefixStore(agent.AGENT_PREFIX, peer_store), 1, 2) as peer:
-                peer.abort("node 1 on host node-b failed: rank 1: exit code 3 (no restarts left)")
-            result = poll(lambda: (r := monitor()) is not healthy and r, 30, "the notice seen")
-            assert result.state == WorkerState.FAILED and fake._remaining_restarts == 0
-            assert "stopped by torch_ctrl: node 1 on host node-b failed" in result.failures[0].message
-            assert int(peer_store.add(f"{agent.AGENT_PREFIX}/{agent.ACKS}", 0)) == 1  # acknowledged
-        finally:
-            agent._close(fake)
-
-
-def test_the_exit_barrier_leaves_a_stopped_rendezvous_store(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """An agent whose workers succeeded waits for the others in the exit barrier: with the
-    agent that hosts the rendezvous store stopped (SIGSTOP), torch's client held it past the
-    barrier's timeout, for as long as the stop lasted. Now it leaves EXIT_GRACE after the
-    timeout, saying which store did not answer."""
-    monkeypatch.setattr(agent, "EXIT_GRACE", 1.0)
-    monkeypatch.setenv("TORCH_CTRL_AGENT_HEARTBEAT", "0")
-    fake = _fake_agent()
-    with frozen_server() as (proc, port):
-        agent._open(fake, dist.PrefixStore("torch.rendezvous.job.0", dist.TCPStore(HOST, port, is_master=False)), 0, 2)
-        try:
-            freeze(proc.pid)
-            with caplog.at_level(logging.ERROR, logger="torch_ctrl"):
-                _, error, took = in_thread(lambda: agent.exit_barrier(lambda self: None, fake), 30)
-            assert error is None and 1.9 <= took < 5, (error, took)
-            said = [r.getMessage() for r in caplog.records]
-            assert any(
-                f"left the exit barrier after 2s: the rendezvous store at {HOST}:{port} does not answer" in m
-                for m in said
-            ), said
-            assert fake._in_exit_barrier is False
-        finally:
-            agent._close(fake)

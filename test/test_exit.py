@@ -146,6 +146,48 @@ print("main exits", flush=True)
 """
 
 
+# A rendezvous node's num_nodes_waiting() gives up on a store whose host is stopped (its call
+# stays blocked in torch's client), and the host is killed while this process finalizes: the
+# blocked call, and the heartbeat thread's next beat, fail then. Through torch's own bindings
+# either returning aborts the process.
+GIVEN_UP_AT_EXIT = """
+import signal, subprocess
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch_ctrl.elastic import ctrl_rendezvous
+
+code = ("import sys, torch.distributed as d\\n"
+        "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\\n"
+        "print(s.port, flush=True)\\nsys.stdin.read()\\n")
+host = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+port = int(host.stdout.readline())
+params = RendezvousParameters(
+    "ctrl", f"127.0.0.1:{port}", "exit", 1, 1, is_host=False, keep_alive_interval=0.1, join_timeout=30
+)
+handler = ctrl_rendezvous.create_native_handler(params)
+handler.next_rendezvous()
+ctrl_rendezvous.ASK_BOUND = 0.5
+os.kill(host.pid, signal.SIGSTOP)
+while open(f"/proc/{host.pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+    time.sleep(0.01)
+assert handler.num_nodes_waiting() == 0  # given up on: its call stays blocked
+
+
+class Late:
+    def __init__(self):
+        self.cycle = self  # collected by the finalizing interpreter, not before
+
+    def __del__(self):
+        os.write(1, b"finalizing\\n")
+        os.kill(host.pid, signal.SIGKILL)  # the blocked call fails now
+        time.sleep(0.5)  # ... and returns while the interpreter still finalizes
+
+
+late = Late()
+print("main exits", flush=True)
+del late
+"""
+
+
 def _run_many(tmp_path: Path, body: str, impl: str, runs: int, store: str = "raw") -> list[subprocess.CompletedProcess]:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(_PRELUDE) + textwrap.dedent(body))
@@ -218,3 +260,13 @@ def test_exit_with_daemon_threads_running_collectives(tmp_path: Path, store: str
     # The Python implementation cannot pass this: its store calls are torch's bindings, and a
     # daemon thread calling TCPStore.add in a loop aborts the process at exit with torch alone.
     _assert_clean(_run_many(tmp_path, RUNNING_AT_EXIT, "cpp", RUNS, store))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif("cpp" not in IMPL_LIST, reason="the C++ extension is not in use")
+def test_a_rendezvous_call_given_up_on_returning_while_finalizing_parks_its_thread(tmp_path: Path) -> None:
+    # Before the calls went through the extension: "terminate called without an active
+    # exception", exit code 134, every run.
+    results = _run_many(tmp_path, GIVEN_UP_AT_EXIT, "cpp", 2)
+    _assert_clean(results)
+    assert all("finalizing" in res.stdout for res in results)

@@ -6,9 +6,9 @@ reply (``add``, ``get``, ``check``, ``compare_set``, ``wait``) waits for it with
 
 :func:`within` runs such a call on a daemon thread and gives up on it after a bound. The
 thread is left behind, still blocked (nothing can interrupt it), and ends with the
-connection: for the paths that use this, the process is about to report an error and
-usually to exit. :class:`Caller` does the same for a connection that stays in use: while a
-call it gave up on is still blocked, later calls fail at once instead of queueing behind it.
+connection, or with the process. :class:`Caller` does the same for a connection that stays
+in use: while a call it gave up on is still blocked, later calls fail at once instead of
+queueing behind it.
 """
 
 from __future__ import annotations
@@ -90,7 +90,13 @@ class Caller:
             self._unanswered = None
         started = time.monotonic()
         done, box = _start(lambda: fn(*args), self._name)
-        if not _wait(done, seconds):
+        try:
+            answered = _wait(done, seconds)
+        except BaseException:  # a signal handler's exception (SIGTERM): the call goes on
+            if not done.is_set():
+                self._unanswered = (done, started)
+            raise
+        if not answered:
             self._unanswered = (done, started)
             raise NoAnswer(f"no answer within {seconds:g}s")
         return _outcome(box)
@@ -128,3 +134,35 @@ def client_timeout(bound: float) -> timedelta:
     the bound by a minute, it comes back after the caller has gone on, or never.
     """
     return timedelta(seconds=bound + OUTLIVE)
+
+
+class _Parked:
+    """``store``'s calls through the extension's ``_parked_call`` (see :func:`parked`)."""
+
+    _OPS = frozenset({"add", "compare_set", "get", "set", "check", "multi_set"})
+
+    def __init__(self, store: Any, call: Callable[..., Any]) -> None:
+        self.store = store
+        self._call = call
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._OPS:
+            return lambda *args: self._call(self.store, name, *args)
+        return getattr(self.store, name)
+
+
+def parked(store: Any) -> Any:
+    """``store``, for calls that :class:`Caller` or :func:`within` may give up on: with the C++
+    extension loaded, its ``add``, ``compare_set``, ``get``, ``set``, ``check`` and
+    ``multi_set`` run through the extension, which parks a thread whose call is answered while
+    the interpreter finalizes. Through torch's own binding, such a thread takes the GIL back
+    in a destructor, and CPython's end of a daemon thread there aborts the process
+    (``terminate called without an active exception``): a stopped store's host killed while
+    this process exits. Without the extension, ``store`` itself."""
+    from . import loader
+
+    if loader.backend() != "cpp":
+        return store
+    from . import _C  # type: ignore[attr-defined]
+
+    return _Parked(store, _C._parked_call)

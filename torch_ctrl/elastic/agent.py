@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .. import keys as K
 from ..base import ControlCollectives
-from ..bounded import Caller, NoAnswer, Unanswered, client_timeout, within
+from ..bounded import Caller, NoAnswer, Unanswered, client_timeout, parked, within
 from ..errors import CollectiveAbortedError, CollectiveTimeoutError, format_ranks
 from ..lanes import await_server, peek, server_of
 from ..loader import StoreCollectives
@@ -71,6 +71,13 @@ EXIT_GRACE = 10.0
 MAX_HOSTS_ENV = 32 << 10  # TORCH_CTRL_HOSTS is not exported beyond this size
 
 
+def _signal_exception() -> type[BaseException]:
+    """torch's exception for a signal to the agent (an ``Exception``: broad excepts catch it)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return SignalException
+
+
 def _env_seconds(name: str, default: float) -> float:
     """``name`` from the environment as seconds: ``default`` (with a warning) unless it is a
     finite number >= 0 (an infinite linger would keep a failed node from ever exiting)."""
@@ -92,7 +99,7 @@ class AgentGroup:
     """One agent's collectives for one rendezvous round."""
 
     coll: ControlCollectives
-    store: dist.Store  # PrefixStore(AGENT_PREFIX, round store), for the notice's acks
+    store: dist.Store  # PrefixStore(AGENT_PREFIX, round store): the notice, its acks, the heartbeats read
     rank: int
     world_size: int
     host: str
@@ -105,6 +112,11 @@ class AgentGroup:
     next_watch: float = 0.0
     lost: bool = False  # a lost node was reported this round
     checks: Caller = field(default_factory=lambda: Caller("torch_ctrl-agent-check"))  # bounded
+    reads: Any = None  # ``store`` for calls that may be given up on (see __post_init__)
+
+    def __post_init__(self) -> None:
+        self.reads = parked(self.store)
+
     silence_logged: float | None = None  # how silent the store was at the last warning
 
     def host_of(self, rank: int) -> str:
@@ -112,7 +124,7 @@ class AgentGroup:
 
     def peer_notice(self) -> tuple[int, str] | None:
         """A failure notice from another node, if one has been posted (one store read)."""
-        value = peek(self.store, K.abort_key(self.world_size))
+        value = peek(self.reads, K.abort_key(self.world_size))
         if value is None:
             return None
         rank, reason = K.parse_notice(value)
@@ -128,7 +140,10 @@ class AgentGroup:
             return None
         self.next_watch = now + self.heartbeat / 2
         rank = (self.rank + 1) % self.world_size
-        value = peek(self.store, K.group_key(self.world_size, f"hb/{rank}"))
+        value = peek(self.reads, K.group_key(self.world_size, f"hb/{rank}"))
+        # The time of the read, not of the call: a read held by a stopped store and answered
+        # when it resumes must not date the counter it finds to before the stop.
+        now = time.monotonic()
         if value is None or value == b"0":
             self.watched = None
             return None
@@ -155,7 +170,9 @@ class AgentGroup:
         """Record a peer's notice and tell its sender it has been read; returns the log line."""
         self.notice = (rank, reason)
         try:
-            within(CHECK_BOUND, lambda: self.store.add(ACKS, 1), "the rendezvous store")
+            within(CHECK_BOUND, lambda: self.reads.add(ACKS, 1), "the rendezvous store")
+        except _signal_exception():
+            raise  # torch's SIGTERM/SIGINT, delivered while this thread waited
         except Exception as exc:  # noqa: BLE001 - the sender may be gone already (or stopped)
             log.debug("torch_ctrl: could not acknowledge the failure notice: %s", exc)
         return self.describe(rank, reason)
@@ -166,7 +183,7 @@ class AgentGroup:
         acks = 0
         while self.world_size > 1:
             try:
-                acks = int(self.store.add(ACKS, 0))
+                acks = int(self.reads.add(ACKS, 0))
             except Exception:  # noqa: BLE001 - the store's host read the notice and left
                 return self.world_size - 1
             if acks >= self.world_size - 1 or time.monotonic() >= deadline:
@@ -306,6 +323,8 @@ def monitor_workers(original: Callable[..., Any], self: Any, worker_group: Any) 
     except NoAnswer as exc:
         _silent(group, exc.waited if isinstance(exc, Unanswered) else CHECK_BOUND)
         return result
+    except _signal_exception():
+        raise  # torch's SIGTERM/SIGINT, delivered while this thread waited for the check
     except Exception as exc:  # noqa: BLE001 - torch's own store calls will report it
         log.debug("torch_ctrl: notice check failed: %s", exc)
         return result
@@ -343,8 +362,9 @@ def _at(group: AgentGroup) -> str:
 
 def _silent(group: AgentGroup, waited: float) -> None:
     """Warn that the store does not answer the checks: at once, then every SILENT_LOG_EVERY s."""
-    if group.silence_logged is not None and waited - group.silence_logged < SILENT_LOG_EVERY:
-        return
+    logged = group.silence_logged
+    if logged is not None and logged <= waited < logged + SILENT_LOG_EVERY:
+        return  # (a smaller ``waited``: a new silence, after an answer)
     group.silence_logged = waited
     log.warning(
         "torch_ctrl: the rendezvous store%s has not answered the agents' checks for %.0fs: the agent that "

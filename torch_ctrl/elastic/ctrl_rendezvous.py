@@ -55,7 +55,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from ..bounded import Caller, NoAnswer, Unanswered, client_timeout, within
+from ..bounded import Caller, NoAnswer, Unanswered, client_timeout, parked, within
 from ..errors import one_line
 from ..lanes import await_server, connection_lost, turn
 
@@ -311,7 +311,7 @@ class _Beater:
                     ids.append(i)
             for store, keys, values, ids in batches.values():
                 try:
-                    store.multi_set(keys, values)
+                    parked(store).multi_set(keys, values)  # a daemon thread's call: see parked()
                 except Exception as exc:  # noqa: BLE001 - a missed beat is what keep_alive_max_attempt allows
                     self._failed(store, ids, exc)
 
@@ -431,6 +431,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         # Named in the errors of a lost store: the host to look at is the one that serves it.
         self._address = _address_of(store)
         self._asker = Caller("torch_ctrl-rdzv-ask")  # num_nodes_waiting()'s bounded calls
+        self._parked = parked(store)  # the same connection, for calls that may be given up on
         self._silence_logged: float | None = None  # how silent the store was at the last warning
 
     # ---------------------------------------------------------------- identity and keys
@@ -484,7 +485,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             return 0
         key = self._k(self.round + 1, "arrived")
         try:
-            v = int(self._asker.call(ASK_BOUND, self._call, self._store.add, key, 0))
+            v = int(self._asker.call(ASK_BOUND, self._call, self._parked.add, key, 0))
         except Unanswered as exc:
             self._silent(exc.waited)
             return 0
@@ -502,8 +503,9 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
 
     def _silent(self, waited: float) -> None:
         """Warn that the store does not answer: at once, then every ``SILENT_LOG_EVERY`` s."""
-        if self._silence_logged is not None and waited - self._silence_logged < SILENT_LOG_EVERY:
-            return
+        logged = self._silence_logged
+        if logged is not None and logged <= waited < logged + SILENT_LOG_EVERY:
+            return  # (a smaller ``waited``: a new silence, after an answer)
         self._silence_logged = waited
         hosted = "the process that hosts it"
         if self._address is not None:
@@ -522,9 +524,13 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
     def set_closed(self) -> None:
         """Close the run for every node: ``closed`` and ``open`` are marked, and the rounds being
         formed are sealed as closed (their waiters wake at once). O(waiting nodes), once."""
-        store = self._store
+        self._close_run(self._store)
+
+    @_state_checked
+    def _close_run(self, store: Any) -> None:
+        """:meth:`set_closed` on ``store`` (this node's connection, or it :func:`parked`)."""
         self._call(store.set, f"{self._root}/closed", "1")
-        current = self._read_open_raw()
+        current = self._read_open_raw(store)
         if current == CLOSED_OPEN:
             return  # closed before: whoever closed it sealed the rounds being formed
         while current != CLOSED_OPEN:
@@ -547,7 +553,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         try:
             self._call(self._beats.set, self._hb_key, self._withdrawn())
             # Bounded: a store that stopped answering would hold the agent's exit for ever.
-            within(self.config.close_timeout, self.set_closed, self._where())
+            within(self.config.close_timeout, lambda: self._close_run(self._parked), self._where())
             return True
         except NoAnswer:
             log.warning(
@@ -873,8 +879,9 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
     # ---------------------------------------------------------------- store helpers
     _open_round_hint = 0
 
-    def _read_open_raw(self) -> str:
-        raw = self._call(self._store.compare_set, f"{self._root}/open", "", "0,0").decode()
+    def _read_open_raw(self, store: Any = None) -> str:
+        store = self._store if store is None else store
+        raw = self._call(store.compare_set, f"{self._root}/open", "", "0,0").decode()
         if raw != CLOSED_OPEN:
             self._open_round_hint = int(raw.split(",")[0])
         return raw
