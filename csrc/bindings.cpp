@@ -360,6 +360,18 @@ PYBIND11_MODULE(_C, m) {
       auto key = text(0);
       return out(nogil([&] { return store->get(key); }));
     }
+    if (op == "multi_get" && args.size() == 1) {
+      auto keys = args[0].cast<std::vector<std::string>>();
+      auto values = nogil([&] { return store->multiGet(keys); });
+      py::list got;
+      for (const auto& v : values) {
+        got.append(out(v));
+      }
+      return py::object(got);
+    }
+    if (op == "num_keys" && args.empty()) {
+      return py::object(py::int_(nogil([&] { return store->getNumKeys(); })));
+    }
     if (op == "set" && args.size() == 2) {
       auto key = text(0);
       auto v = value(1);

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch.distributed as dist
+
 T = TypeVar("T")
 
 # Seconds past its bound that an abandoned store construction's own timeout runs (see
@@ -139,7 +141,7 @@ def client_timeout(bound: float) -> timedelta:
 class _Parked:
     """``store``'s calls through the extension's ``_parked_call`` (see :func:`parked`)."""
 
-    _OPS = frozenset({"add", "compare_set", "get", "set", "check", "multi_set"})
+    _OPS = frozenset({"add", "compare_set", "get", "set", "check", "multi_set", "multi_get", "num_keys"})
 
     def __init__(self, store: Any, call: Callable[..., Any]) -> None:
         self.store = store
@@ -153,15 +155,20 @@ class _Parked:
 
 def parked(store: Any) -> Any:
     """``store``, for calls that :class:`Caller` or :func:`within` may give up on: with the C++
-    extension loaded, its ``add``, ``compare_set``, ``get``, ``set``, ``check`` and
-    ``multi_set`` run through the extension, which parks a thread whose call is answered while
-    the interpreter finalizes. Through torch's own binding, such a thread takes the GIL back
-    in a destructor, and CPython's end of a daemon thread there aborts the process
-    (``terminate called without an active exception``): a stopped store's host killed while
-    this process exits. Without the extension, ``store`` itself."""
+    extension loaded, its ``add``, ``compare_set``, ``get``, ``set``, ``check``,
+    ``multi_set``, ``multi_get`` and ``num_keys`` run through the extension, which parks a
+    thread whose call is answered while the interpreter finalizes. Through torch's own
+    binding, such a thread takes the GIL back in a destructor, and CPython's end of a daemon
+    thread there aborts the process (``terminate called without an active exception``): a
+    stopped store's host killed while this process exits. Without the extension, or for a
+    store that is not a TCPStore under any PrefixStores, ``store`` itself."""
     from . import loader
 
-    if loader.backend() != "cpp":
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    # Only a TCPStore's server can stop answering: other stores are called as they are.
+    if loader.backend() != "cpp" or not isinstance(base, dist.TCPStore):
         return store
     from . import _C  # type: ignore[attr-defined]
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from . import keys as K
 from . import lanes
 from . import rdzv_state as R
-from .bounded import Caller, NoAnswer, Unanswered
+from .bounded import Caller, NoAnswer, Unanswered, parked
 from .lanes import peek
 
 SCHEMA = "torch_ctrl.inspect/1"
@@ -423,10 +423,12 @@ class _Bounded:
         self._caller = caller
 
     def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.store, name)
         if name in self._CALLS:
-            return lambda *args: self._caller.call(attr, *args)
-        return attr
+            # Through the extension where it can: a call given up on that is answered while
+            # this process exits then parks its thread rather than abort the process.
+            call = getattr(parked(self.store), name)
+            return lambda *args: self._caller.call(call, *args)
+        return getattr(self.store, name)
 
 
 def _clone(store: dist.Store, timeout: float) -> dist.Store:
