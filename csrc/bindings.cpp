@@ -84,6 +84,79 @@ auto nogil(F&& f) -> decltype(f()) {
   }
 }
 
+// str, bytes or bytearray, as torch's binding takes a value.
+std::vector<uint8_t> bytes_of(const py::handle& h) {
+  auto raw = h.cast<std::string>();
+  return std::vector<uint8_t>(raw.begin(), raw.end());
+}
+
+py::object bytes_out(const std::vector<uint8_t>& v) {
+  return py::bytes(reinterpret_cast<const char*>(v.data()), v.size());
+}
+
+// The store calls of `_parked_call` (see there), by torch's Python names and arguments.
+py::object parked_call(const c10::intrusive_ptr<c10d::Store>& store, const std::string& op, const py::args& args) {
+  auto text = [&](size_t i) { return args[i].cast<std::string>(); };
+  auto keys = [&](size_t i) { return args[i].cast<std::vector<std::string>>(); };
+  if (op == "add" && args.size() == 2) {
+    auto key = text(0);
+    auto by = args[1].cast<int64_t>();
+    return py::int_(nogil([&] { return store->add(key, by); }));
+  }
+  if (op == "compare_set" && args.size() == 3) {
+    auto key = text(0);
+    auto expected = bytes_of(args[1]), desired = bytes_of(args[2]);
+    return bytes_out(nogil([&] { return store->compareSet(key, expected, desired); }));
+  }
+  if (op == "get" && args.size() == 1) {
+    auto key = text(0);
+    return bytes_out(nogil([&] { return store->get(key); }));
+  }
+  if (op == "multi_get" && args.size() == 1) {
+    auto names = keys(0);
+    auto values = nogil([&] { return store->multiGet(names); });
+    py::list got;
+    for (const auto& v : values) {
+      got.append(bytes_out(v));
+    }
+    return std::move(got);
+  }
+  if (op == "num_keys" && args.empty()) {
+    return py::int_(nogil([&] { return store->getNumKeys(); }));
+  }
+  if (op == "list_keys" && args.empty()) {
+    auto names = nogil([&] { return torch_ctrl::compat::list_keys(*store); });
+    if (!names) {
+      throw py::type_error("torch_ctrl._C._parked_call: this torch's stores cannot list their keys");
+    }
+    return py::cast(*names);
+  }
+  if (op == "set" && args.size() == 2) {
+    auto key = text(0);
+    auto value = bytes_of(args[1]);
+    nogil([&] { store->set(key, value); });
+    return py::none();
+  }
+  if (op == "check" && args.size() == 1) {
+    auto names = keys(0);
+    return py::bool_(nogil([&] { return store->check(names); }));
+  }
+  if (op == "multi_set" && args.size() == 2) {
+    auto names = keys(0);
+    if (!py::isinstance<py::list>(args[1]) && !py::isinstance<py::tuple>(args[1])) {
+      throw py::type_error("torch_ctrl._C._parked_call: multi_set: values must be a list");
+    }
+    std::vector<std::vector<uint8_t>> values;
+    for (const auto& item : args[1]) {
+      values.push_back(bytes_of(item));
+    }
+    nogil([&] { store->multiSet(names, values); });
+    return py::none();
+  }
+  throw py::value_error(
+      "torch_ctrl._C._parked_call: no store call '" + op + "' with " + std::to_string(args.size()) + " arguments");
+}
+
 py::object build(const char* builder, const py::tuple& args) {
   return py::module_::import("torch_ctrl.errors").attr(builder)(*args);
 }
@@ -337,62 +410,11 @@ PYBIND11_MODULE(_C, m) {
   // answered while the interpreter finalizes parks its thread. torch's own binding takes the
   // GIL back in a destructor, and a daemon thread ended there aborts the process.
   m.def("_parked_call", [](c10::intrusive_ptr<c10d::Store> store, const std::string& op, const py::args& args) {
-    auto text = [&](size_t i) { return args[i].cast<std::string>(); };
-    auto bytes_of = [](const py::handle& h) {  // str or bytes, as torch's binding takes them
-      std::string raw = py::isinstance<py::str>(h) ? h.cast<std::string>() : std::string(h.cast<py::bytes>());
-      return std::vector<uint8_t>(raw.begin(), raw.end());
-    };
-    auto value = [&](size_t i) { return bytes_of(args[i]); };
-    auto out = [](const std::vector<uint8_t>& v) {
-      return py::object(py::bytes(reinterpret_cast<const char*>(v.data()), v.size()));
-    };
-    if (op == "add" && args.size() == 2) {
-      auto key = text(0);
-      auto by = args[1].cast<int64_t>();
-      return py::object(py::int_(nogil([&] { return store->add(key, by); })));
+    try {
+      return parked_call(store, op, args);
+    } catch (const py::cast_error& exc) {
+      throw py::type_error("torch_ctrl._C._parked_call: " + op + ": " + exc.what());
     }
-    if (op == "compare_set" && args.size() == 3) {
-      auto key = text(0);
-      auto expected = value(1), desired = value(2);
-      return out(nogil([&] { return store->compareSet(key, expected, desired); }));
-    }
-    if (op == "get" && args.size() == 1) {
-      auto key = text(0);
-      return out(nogil([&] { return store->get(key); }));
-    }
-    if (op == "multi_get" && args.size() == 1) {
-      auto keys = args[0].cast<std::vector<std::string>>();
-      auto values = nogil([&] { return store->multiGet(keys); });
-      py::list got;
-      for (const auto& v : values) {
-        got.append(out(v));
-      }
-      return py::object(got);
-    }
-    if (op == "num_keys" && args.empty()) {
-      return py::object(py::int_(nogil([&] { return store->getNumKeys(); })));
-    }
-    if (op == "set" && args.size() == 2) {
-      auto key = text(0);
-      auto v = value(1);
-      nogil([&] { store->set(key, v); });
-      return py::object(py::none());
-    }
-    if (op == "check" && args.size() == 1) {
-      auto keys = args[0].cast<std::vector<std::string>>();
-      return py::object(py::bool_(nogil([&] { return store->check(keys); })));
-    }
-    if (op == "multi_set" && args.size() == 2) {
-      auto keys = args[0].cast<std::vector<std::string>>();
-      std::vector<std::vector<uint8_t>> values;
-      for (const auto& item : args[1].cast<py::list>()) {
-        values.push_back(bytes_of(item));
-      }
-      nogil([&] { store->multiSet(keys, values); });
-      return py::object(py::none());
-    }
-    throw py::value_error("torch_ctrl._C._parked_call: no store call '" + op + "' with " +
-                          std::to_string(args.size()) + " arguments");
   });
   main_thread_ident = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   m.def("_set_main_thread", [](unsigned long ident) { main_thread_ident = ident; });

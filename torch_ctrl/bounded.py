@@ -138,17 +138,19 @@ def client_timeout(bound: float) -> timedelta:
     return timedelta(seconds=bound + OUTLIVE)
 
 
+_PARKED_OPS = frozenset({"add", "compare_set", "get", "set", "check", "multi_set", "multi_get", "num_keys"})
+
+
 class _Parked:
     """``store``'s calls through the extension's ``_parked_call`` (see :func:`parked`)."""
 
-    _OPS = frozenset({"add", "compare_set", "get", "set", "check", "multi_set", "multi_get", "num_keys"})
-
-    def __init__(self, store: Any, call: Callable[..., Any]) -> None:
+    def __init__(self, store: Any, call: Callable[..., Any], ops: frozenset[str]) -> None:
         self.store = store
         self._call = call
+        self._ops = ops
 
     def __getattr__(self, name: str) -> Any:
-        if name in self._OPS:
+        if name in self._ops:
             return lambda *args: self._call(self.store, name, *args)
         return getattr(self.store, name)
 
@@ -156,7 +158,7 @@ class _Parked:
 def parked(store: Any) -> Any:
     """``store``, for calls that :class:`Caller` or :func:`within` may give up on: with the C++
     extension loaded, its ``add``, ``compare_set``, ``get``, ``set``, ``check``,
-    ``multi_set``, ``multi_get`` and ``num_keys`` run through the extension, which parks a
+    ``multi_set``, ``multi_get``, ``num_keys`` and ``list_keys`` run through the extension, which parks a
     thread whose call is answered while the interpreter finalizes. Through torch's own
     binding, such a thread takes the GIL back in a destructor, and CPython's end of a daemon
     thread there aborts the process (``terminate called without an active exception``): a
@@ -172,4 +174,5 @@ def parked(store: Any) -> Any:
         return store
     from . import _C  # type: ignore[attr-defined]
 
-    return _Parked(store, _C._parked_call)
+    ops = _PARKED_OPS | ({"list_keys"} if _C._capabilities["list_keys"] else set())
+    return _Parked(store, _C._parked_call, ops)

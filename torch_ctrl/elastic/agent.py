@@ -112,7 +112,7 @@ class AgentGroup:
     next_watch: float = 0.0
     lost: bool = False  # a lost node was reported this round
     checks: Caller = field(default_factory=lambda: Caller("torch_ctrl-agent-check"))  # bounded
-    reads: Any = None  # ``store`` for calls that may be given up on (see __post_init__)
+    reads: Any = field(init=False, repr=False, compare=False)  # ``store`` for calls that may be given up on
 
     def __post_init__(self) -> None:
         self.reads = parked(self.store)
@@ -140,17 +140,18 @@ class AgentGroup:
             return None
         self.next_watch = now + self.heartbeat / 2
         rank = (self.rank + 1) % self.world_size
+        # A read that a slow or stopped store answers late: a new value is dated from the
+        # answer (the beat may have come just before it), and silence is measured up to the
+        # asking (a beat after that may be queued behind the read). Both err towards alive.
+        asked = time.monotonic()
         value = peek(self.reads, K.group_key(self.world_size, f"hb/{rank}"))
-        # The time of the read, not of the call: a read held by a stopped store and answered
-        # when it resumes must not date the counter it finds to before the stop.
-        now = time.monotonic()
         if value is None or value == b"0":
             self.watched = None
             return None
         if self.watched is None or self.watched[0] != value:
-            self.watched = (value, now)
+            self.watched = (value, time.monotonic())
             return None
-        silent = now - self.watched[1]
+        silent = asked - self.watched[1]
         interval = max(self.heartbeat, K.beat_interval(value) or 0.0)
         return (rank, silent) if silent > DEAD_AFTER * interval else None
 
@@ -184,6 +185,8 @@ class AgentGroup:
         while self.world_size > 1:
             try:
                 acks = int(self.reads.add(ACKS, 0))
+            except _signal_exception():
+                raise
             except Exception:  # noqa: BLE001 - the store's host read the notice and left
                 return self.world_size - 1
             if acks >= self.world_size - 1 or time.monotonic() >= deadline:
