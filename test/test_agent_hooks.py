@@ -260,3 +260,40 @@ def _answered(caller: Any) -> Any:
         return caller.call(30, lambda: "third")
     except Unanswered:
         return None
+
+
+def test_a_silent_store_is_warned_about_at_once_then_once_a_minute() -> None:
+    """The throttle both the agent hooks and the ctrl rendezvous warn through: a warning at the
+    first call given up on, none for the calls that fail at once while it is unanswered, the
+    next after `every` more seconds of the same silence; an answer ends the silence (and says
+    whether one was warned about), and a second silence is warned about at once."""
+    from torch_ctrl.bounded import NoAnswer, Silence
+
+    silence = Silence(60.0)
+    assert silence.answered() is False  # nothing was warned about
+    assert [silence.due(w) for w in (5.0, 5.1, 30.0, 64.9, 65.0, 100.0, 125.0)] == [
+        True, False, False, False, True, False, True
+    ]  # fmt: skip
+    assert silence.answered() is True
+    assert silence.answered() is False
+    assert silence.due(5.0) is True  # a new silence
+    assert silence.due(2.0) is True  # shorter than the last warned: a new silence, after an unseen answer
+    assert NoAnswer("x").waited is None
+
+
+def test_a_call_given_up_on_says_how_long_it_waited() -> None:
+    """What the warnings print: a call given up on waited its bound; a later call, refused at
+    once, how long the first one has gone unanswered."""
+    from torch_ctrl.bounded import Caller, NoAnswer, Unanswered
+
+    release = threading.Event()
+    caller = Caller()
+    try:
+        with pytest.raises(NoAnswer) as given_up:
+            caller.call(0.2, release.wait, 60)
+        assert given_up.value.waited == 0.2 and not isinstance(given_up.value, Unanswered)
+        with pytest.raises(Unanswered) as refused:
+            caller.call(30, lambda: None)
+        assert refused.value.waited >= 0.2
+    finally:
+        release.set()

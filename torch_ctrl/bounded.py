@@ -29,7 +29,10 @@ OUTLIVE = 60.0
 
 
 class NoAnswer(TimeoutError):
-    """The call did not return within its bound; ``str()`` says which call and how long."""
+    """The call did not return within its bound; ``str()`` says which call and how long.
+    ``waited``: how long the call has gone unanswered, in seconds (None where not known)."""
+
+    waited: float | None = None
 
 
 class Unanswered(NoAnswer):
@@ -100,8 +103,33 @@ class Caller:
             raise
         if not answered:
             self._unanswered = (done, started)
-            raise NoAnswer(f"no answer within {seconds:g}s")
+            error = NoAnswer(f"no answer within {seconds:g}s")
+            error.waited = seconds
+            raise error
         return _outcome(box)
+
+
+class Silence:
+    """When to warn that a store does not answer: at the first call given up on, then once every
+    ``every`` seconds of the same silence; an answer ends it. One warning a minute, not one per
+    monitor interval, and a new silence after an answer is warned about at once."""
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self._logged: float | None = None  # how long the store was silent at the last warning
+
+    def due(self, waited: float) -> bool:
+        """Whether a warning is due, the store having been silent for ``waited`` seconds."""
+        logged = self._logged
+        if logged is not None and logged <= waited < logged + self.every:
+            return False  # (a smaller ``waited``: a new silence, after an answer)
+        self._logged = waited
+        return True
+
+    def answered(self) -> bool:
+        """The store answered: whether that ends a silence that was warned about."""
+        ended, self._logged = self._logged is not None, None
+        return ended
 
 
 def within(seconds: float, call: Callable[[], T], what: str) -> T:

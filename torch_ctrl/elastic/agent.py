@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .. import keys as K
 from ..base import ControlCollectives
-from ..bounded import Caller, NoAnswer, Unanswered, client_timeout, parked, within
+from ..bounded import Caller, NoAnswer, Silence, client_timeout, parked, within
 from ..errors import CollectiveAbortedError, CollectiveTimeoutError, format_ranks
 from ..lanes import await_server, peek, server_of
 from ..loader import StoreCollectives
@@ -112,12 +112,11 @@ class AgentGroup:
     next_watch: float = 0.0
     lost: bool = False  # a lost node was reported this round
     checks: Caller = field(default_factory=lambda: Caller("torch_ctrl-agent-check"))  # bounded
+    silence: Silence = field(default_factory=lambda: Silence(SILENT_LOG_EVERY))  # when to warn of it
     reads: Any = field(init=False, repr=False, compare=False)  # ``store`` for calls that may be given up on
 
     def __post_init__(self) -> None:
         self.reads = parked(self.store)
-
-    silence_logged: float | None = None  # how silent the store was at the last warning
 
     def host_of(self, rank: int) -> str:
         return self.nodes[rank][0] if 0 <= rank < len(self.nodes) else "?"
@@ -324,15 +323,14 @@ def monitor_workers(original: Callable[..., Any], self: Any, worker_group: Any) 
     try:
         notice, lost = group.checks.call(CHECK_BOUND, _look, group, healthy, now)
     except NoAnswer as exc:
-        _silent(group, exc.waited if isinstance(exc, Unanswered) else CHECK_BOUND)
+        _silent(group, exc.waited or CHECK_BOUND)
         return result
     except _signal_exception():
         raise  # torch's SIGTERM/SIGINT, delivered while this thread waited for the check
     except Exception as exc:  # noqa: BLE001 - torch's own store calls will report it
         log.debug("torch_ctrl: notice check failed: %s", exc)
         return result
-    if group.silence_logged is not None:
-        group.silence_logged = None
+    if group.silence.answered():
         log.warning("torch_ctrl: the rendezvous store%s answers the agents' checks again", _at(group))
     if notice is None:
         if lost is not None:
@@ -365,10 +363,8 @@ def _at(group: AgentGroup) -> str:
 
 def _silent(group: AgentGroup, waited: float) -> None:
     """Warn that the store does not answer the checks: at once, then every SILENT_LOG_EVERY s."""
-    logged = group.silence_logged
-    if logged is not None and logged <= waited < logged + SILENT_LOG_EVERY:
-        return  # (a smaller ``waited``: a new silence, after an answer)
-    group.silence_logged = waited
+    if not group.silence.due(waited):
+        return
     log.warning(
         "torch_ctrl: the rendezvous store%s has not answered the agents' checks for %.0fs: the agent that "
         "hosts it is stopped or hung (SIGSTOP, a debugger, a frozen machine), or the network to it is down; "

@@ -55,7 +55,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-from ..bounded import Caller, NoAnswer, Unanswered, client_timeout, parked, within
+from ..bounded import Caller, NoAnswer, Silence, client_timeout, parked, within
 from ..errors import one_line
 from ..lanes import await_server, connection_lost, turn
 
@@ -432,7 +432,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         self._address = _address_of(store)
         self._asker = Caller("torch_ctrl-rdzv-ask")  # num_nodes_waiting()'s bounded calls
         self._parked = parked(store)  # the same connection, for calls that may be given up on
-        self._silence_logged: float | None = None  # how silent the store was at the last warning
+        self._silence = Silence(SILENT_LOG_EVERY)  # when to warn that the store does not answer
 
     # ---------------------------------------------------------------- identity and keys
     @property
@@ -486,14 +486,10 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         key = self._k(self.round + 1, "arrived")
         try:
             v = int(self._asker.call(ASK_BOUND, self._call, self._parked.add, key, 0))
-        except Unanswered as exc:
-            self._silent(exc.waited)
+        except NoAnswer as exc:
+            self._silent(exc.waited or ASK_BOUND)
             return 0
-        except NoAnswer:
-            self._silent(ASK_BOUND)
-            return 0
-        if self._silence_logged is not None:
-            self._silence_logged = None
+        if self._silence.answered():
             log.warning("torch_ctrl: ctrl rendezvous '%s': %s answers again", self.config.run_id, self._where())
         count, members = v & COUNT_MASK, (v >> 24) & COUNT_MASK
         return count if members or self._world_size < self.config.max_nodes else 0
@@ -503,10 +499,8 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
 
     def _silent(self, waited: float) -> None:
         """Warn that the store does not answer: at once, then every ``SILENT_LOG_EVERY`` s."""
-        logged = self._silence_logged
-        if logged is not None and logged <= waited < logged + SILENT_LOG_EVERY:
-            return  # (a smaller ``waited``: a new silence, after an answer)
-        self._silence_logged = waited
+        if not self._silence.due(waited):
+            return
         hosted = "the process that hosts it"
         if self._address is not None:
             hosted = f"the torchrun agent that hosts it, on {self._address[0]},"
