@@ -26,6 +26,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from torch_ctrl.bench_rendezvous import MeteredStore
+from torch_ctrl.counting import CountingStore
 from torch_ctrl.elastic import ctrl_rendezvous
 from torch_ctrl.elastic.ctrl_rendezvous import (
     NativeRendezvousHandler,
@@ -56,6 +57,22 @@ class Job:
 
     def node(self, **conf: Any) -> NativeRendezvousHandler:
         return create_native_handler(self.params(**conf))
+
+    def wrapped(self, store: dist.Store) -> NativeRendezvousHandler:
+        """A node whose calls go through ``store`` (a wrapper of a client of this job's server)."""
+        return NativeRendezvousHandler(config_from(self.params()), store, beat_store(HOST, self.port, 60.0))
+
+    def client(self) -> dist.Store:
+        return dist.TCPStore(HOST, self.port, is_master=False)
+
+    def key(self, rest: str) -> str:
+        return f"torch_ctrl/rdzv/{self.run_id}/{rest}"
+
+    def stale(self, node: NativeRendezvousHandler) -> None:
+        """Until ``node``'s heartbeat (stopped) is older than dead_after."""
+        limit = self.conf["keep_alive_interval"] * self.conf["keep_alive_max_attempt"]
+        hb = self.key(f"hb/{node.node}")
+        poll(lambda: time.time() - float(self.server.get(hb).split()[0]) > limit + 0.1)
 
 
 class Call:
@@ -282,6 +299,198 @@ def test_a_member_killed_with_sigkill_is_dropped_by_keep_alive() -> None:
         assert time.monotonic() - start < 8
     finally:
         proc.kill()
+
+
+# ----------------------------------------------------------------------------- deaths and races
+
+
+class _Hooked(CountingStore):
+    """A node's connection with one call hooked: ``hook(method, args)`` runs before the call."""
+
+    def __init__(self, inner: dist.Store, hook: Callable[[str, tuple], None]) -> None:
+        super().__init__(inner)
+        self._hook = hook
+
+    def add(self, key: str, value: int) -> int:
+        self._hook("add", (key, value))
+        return super().add(key, value)
+
+    def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
+        self._hook("compare_set", (key, expected_value, desired_value))
+        return super().compare_set(key, expected_value, desired_value)
+
+
+def test_a_spare_takes_the_place_of_a_member_that_died() -> None:
+    """max 2, a spare waiting behind the full round; member b dies (heartbeats stop, as after
+    SIGKILL). As with c10d, the survivor then counts the spare as waiting (its agent restarts),
+    and its re-join forms a round with the spare. Before, the survivor counted 0 for ever."""
+    job = Job(1, 2)
+    a, b = job.node(), job.node()
+    join_all([a, b])
+    spare = job.node()
+    call = Call(spare.next_rendezvous)
+    poll(lambda: int(job.server.add(job.key("1/arrived"), 0)) == 1)
+    assert a.num_nodes_waiting() == 0  # b is alive: no restart for nothing
+    b._stop_heartbeats()
+    job.stale(b)
+    poll(lambda: a.num_nodes_waiting() == 1, 10, "the survivor counts the spare")
+    again = Call(a.next_rendezvous)
+    assert [again.result().world_size, call.result().world_size] == [2, 2] and a.round == spare.round == 1
+    a.set_closed()
+
+
+def test_a_member_that_left_on_purpose_does_not_let_spares_in() -> None:
+    """A negative heartbeat is a node that left (its agent finished, and closes the run as it
+    goes): the survivor must not restart its workers for the spares then."""
+    job = Job(1, 2)
+    a, b = job.node(), job.node()
+    join_all([a, b])
+    call = Call(job.node().next_rendezvous)
+    poll(lambda: int(job.server.add(job.key("1/arrived"), 0)) == 1)
+    b._stop_heartbeats()
+    job.server.set(job.key(f"hb/{b.node}"), f"-{time.time() - 60:.3f} 1")  # b withdrew a minute ago
+    assert [a.num_nodes_waiting() for _ in range(3)] == [0, 0, 0]
+    a.set_closed()
+    with pytest.raises(RendezvousClosedError):
+        call.result()
+
+
+def test_a_spare_times_out_once_the_round_it_waited_behind_is_gone() -> None:
+    """min=max=2; both members die and the one spare cannot form a round alone: it stops being
+    a spare (c10d moves it to the wait list) and fails after join_timeout, instead of never."""
+    job = Job(2, 2, join_timeout=2)
+    a, b = job.node(join_timeout=20), job.node(join_timeout=20)
+    join_all([a, b])
+    call = Call(job.node().next_rendezvous)
+    poll(lambda: int(job.server.add(job.key("1/arrived"), 0)) == 1)
+    a._stop_heartbeats()
+    b._stop_heartbeats()
+    job.stale(a)
+    job.stale(b)
+    gone = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError, match=r"round 1: 1 of min_nodes=2 .*join_timeout=2s"):
+        call.result(20)
+    assert time.monotonic() - gone < 2 + 3, "its deadline starts when the round is found gone"
+
+
+def test_a_node_judged_dead_waits_behind_a_full_round_as_a_spare() -> None:
+    """A node whose heartbeat lapsed while a round formed without it is told `d`; the round it
+    then waits behind is full, so it waits as a spare does: no join deadline, and a graceful
+    exit when the run closes (before, it timed out, or failed when the run closed)."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
+
+    job = Job(2, 2, join_timeout=1.5)
+    c = job.node()
+    slow = Call(c.next_rendezvous)
+    poll(lambda: job.server.check([job.key("0/n/1")]))
+    c._stop_heartbeats()  # c stalls past dead_after (a frozen VM)
+    job.stale(c)
+    m1, m2 = job.node(join_timeout=20), job.node(join_timeout=20)
+    join_all([m1, m2])
+    assert job.server.get(job.key("0/rank/1")) == b"d"
+    assert not slow.done.wait(3), f"a spare has no join deadline: {slow.error!r}"
+    m1.shutdown()  # the job is done
+    with pytest.raises(RendezvousGracefulExitError):
+        slow.result()
+
+
+def test_members_that_read_a_stale_open_hint_rejoin_as_members() -> None:
+    """The sealer of round 0 wrote the ranks and died before advancing `open`. The survivors
+    re-join, meet round 0's seal and move on to round 1, where they are members again (before,
+    they arrived there as spares, were never counted, and waited for ever)."""
+    job = Job(2, 3)
+
+    def dies(method: str, args: tuple) -> None:
+        if method == "compare_set" and args[0].endswith("/open") and str(args[2]).startswith("1,"):
+            raise RuntimeError("injected: the sealer's process dies here")
+
+    a, b = job.node(), job.node()
+    first = [Call(a.next_rendezvous), Call(b.next_rendezvous)]
+    poll(lambda: int(job.server.add(job.key("0/arrived"), 0)) == 2)
+    c = job.wrapped(_Hooked(job.client(), dies))
+    with pytest.raises(RendezvousConnectionError, match="injected"):
+        c.next_rendezvous()
+    c._stop_heartbeats()
+    assert [f.result().world_size for f in first] == [3, 3]
+    assert job.server.get(job.key("open")) == b"0,0"  # the stale hint
+    job.stale(c)
+    again = join_all([a, b])
+    assert [i.world_size for i in again] == [2, 2] and a.round == b.round == 1
+    a.set_closed()
+
+
+def test_a_member_that_rejoined_and_died_is_counted_once() -> None:
+    """Round 0 = {a, b, c}; c re-joins and dies, a re-joins; b is alive and still in round 0.
+    Round 1 must wait for b (before, c counted both as re-joined and as dead, and round 1 was
+    sealed without b); once b re-joins, a and b form it."""
+    job = Job(1, 3, last_call_timeout=0.5)
+    a, b, c = job.node(), job.node(), job.node()
+    join_all([a, b, c])
+    Call(c.next_rendezvous)
+    poll(lambda: job.server.check([job.key("1/n/1")]))
+    c._stop_heartbeats()
+    job.stale(c)
+    rejoin_a = Call(a.next_rendezvous)
+    assert not rejoin_a.done.wait(3), "round 1 formed without b, a live member of round 0"
+    rejoin_b = Call(b.next_rendezvous)
+    assert [rejoin_a.result().world_size, rejoin_b.result().world_size] == [2, 2]
+    a.set_closed()
+
+
+def test_a_node_that_timed_out_while_its_round_was_sealed_is_not_admitted() -> None:
+    """x's join_timeout runs out while the sealer is between its liveness read and closing the
+    round: x withdraws and raises, so it must not be in the round (before, it was: the others got
+    a world with a node that had left). The round (min 3) cannot form without x: the nodes left
+    move on to the next round, and no world holds x."""
+    job = Job(3, 3, read_timeout=10)
+    x_done = threading.Event()
+
+    def stall(method: str, args: tuple) -> None:
+        if method == "add" and args[1] == ctrl_rendezvous.SEALED:
+            x_done.wait(30)  # the sealer stalls before closing the round until x has given up
+
+    leader = job.wrapped(_Hooked(job.client(), stall))
+    first = Call(leader.next_rendezvous)
+    poll(lambda: job.server.check([job.key("0/n/1")]))
+    x = job.node(join_timeout=1.5)
+    timed_out = Call(x.next_rendezvous)
+    poll(lambda: job.server.check([job.key("0/n/2")]))
+    third = job.wrapped(_Hooked(job.client(), stall))
+    sealer = Call(third.next_rendezvous)
+    with pytest.raises(RendezvousTimeoutError):
+        timed_out.result()
+    x_done.set()
+    poll(lambda: job.server.check([job.key("0/seal")]))
+    assert job.server.get(job.key("0/seal")) == b"0" and job.server.get(job.key("0/members")) == b""
+    assert [job.server.get(job.key(f"0/rank/{k}")) for k in (1, 2, 3)] == [b"d"] * 3
+    poll(lambda: int(job.server.add(job.key("1/arrived"), 0)) == 2)  # the two left wait in round 1
+    leader.set_closed()
+    for call in (first, sealer):
+        with pytest.raises(RendezvousClosedError):
+            call.result()
+
+
+def test_a_sealer_that_died_while_sealing_is_named_in_the_timeout() -> None:
+    """The sealer closed the round to arrivals and died before writing any outcome: the others
+    fail after join_timeout + read_timeout saying so, not that fewer nodes joined."""
+    job = Job(3, 3, join_timeout=1.5, read_timeout=1)
+
+    class DiesAfterClosing(_Hooked):
+        def multi_set(self, keys: list[str], values: list[Any]) -> None:
+            if any(k.endswith("/seal") for k in keys):
+                raise RuntimeError("injected: the sealer's process dies here")
+            super().multi_set(keys, values)
+
+    a, b = job.node(), job.node()
+    waiting = [Call(a.next_rendezvous), Call(b.next_rendezvous)]
+    poll(lambda: int(job.server.add(job.key("0/arrived"), 0)) == 2)
+    c = job.wrapped(DiesAfterClosing(job.client(), lambda method, args: None))
+    with pytest.raises(RendezvousConnectionError, match="injected"):
+        c.next_rendezvous()
+    c._stop_heartbeats()
+    for call in waiting:
+        with pytest.raises(RendezvousTimeoutError, match=r"began sealing the round but did not write .* 3 nodes"):
+            call.result()
 
 
 # ----------------------------------------------------------------------------- cost

@@ -428,6 +428,10 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         self._world_size = 0
         self._server: dist.Store | None = None  # the workers' store of the current round (node 0)
         self._lead_check = 0.0
+        self._freed = -1  # the last round this node marked freed (see _maybe_seal)
+        self._members: tuple[int, list[str]] = (-1, [])  # (round, its members in rank order)
+        self._next_member_look = 0.0
+        self._member_gone = False
         # Named in the errors of a lost store: the host to look at is the one that serves it.
         self._address = _address_of(store)
         self._asker = Caller("torch_ctrl-rdzv-ask")  # num_nodes_waiting()'s bounded calls
@@ -483,16 +487,53 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         :data:`SILENT_LOG_EVERY` seconds), so torch's monitor loop never freezes on it."""
         if self.round is None:
             return 0
-        key = self._k(self.round + 1, "arrived")
         try:
-            v = int(self._asker.call(ASK_BOUND, self._call, self._parked.add, key, 0))
+            count = self._asker.call(ASK_BOUND, self._waiting, self.round)
         except NoAnswer as exc:
             self._silent(exc.waited or ASK_BOUND)
             return 0
         if self._silence.answered():
             log.warning("torch_ctrl: ctrl rendezvous '%s': %s answers again", self.config.run_id, self._where())
+        return count
+
+    def _waiting(self, rnd: int) -> int:
+        """:meth:`num_nodes_waiting` on the connection that may be given up on."""
+        v = int(self._call(self._parked.add, self._k(rnd + 1, "arrived"), 0))
         count, members = v & COUNT_MASK, (v >> 24) & COUNT_MASK
-        return count if members or self._world_size < self.config.max_nodes else 0
+        if members or self._world_size < self.config.max_nodes:
+            return count
+        if count and v < SEALED and self._member_lost(rnd):
+            return count  # spares can take the place of a member that died (c10d counts them then)
+        return 0
+
+    def _member_lost(self, rnd: int) -> bool:
+        """Whether the member after this node in round ``rnd``'s rank order stopped heartbeating
+        (its host died, its agent was SIGKILLed). This node then counts the spares as waiting, so
+        its agent restarts into a round with them; the others follow once it re-joins. One read
+        per ``keep_alive_interval`` per node (the members once per round): O(1), whatever N,
+        and only while spares wait behind a full round. A node that left on purpose (negative
+        heartbeat: its agent finished and closed the run) is not lost."""
+        now = time.monotonic()
+        if now < self._next_member_look:
+            return self._member_gone
+        self._next_member_look = now + self.config.keep_alive_interval
+        if self._members[0] != rnd:
+            raw = self._call(self._parked.compare_set, self._k(rnd, "members"), "\x01", "\x02")
+            self._members = (rnd, [] if raw == b"\x01" or not raw else raw.decode().split("\n"))
+        nodes = self._members[1]
+        if len(nodes) < 2 or self._rank is None:
+            return False
+        after = nodes[(self._rank + 1) % len(nodes)]
+        raw = self._call(self._parked.compare_set, f"{self._root}/hb/{after}", "\x01", "\x02")
+        t = float(bytes(raw).decode().split()[0]) if raw != b"\x01" else 0.0
+        was, self._member_gone = self._member_gone, t > 0 and time.time() - t > self.config.dead_after
+        if self._member_gone and not was:
+            log.warning(
+                "torch_ctrl: ctrl rendezvous '%s': node %s of round %d has not heartbeated for %.0fs; "
+                "the spares waiting take its place (this node restarts its workers)",
+                self.config.run_id, after, rnd, time.time() - t,
+            )  # fmt: skip
+        return self._member_gone
 
     def _where(self) -> str:
         return _store_named(self._address)
@@ -597,9 +638,12 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             if v >= SEALED:  # sealed (or closed) between our read of `open` and our arrival
                 if self.is_closed():
                     raise _closed_error(f"ctrl rendezvous '{cfg.run_id}' is closed", spare)
-                rnd, member = rnd + 1, False
+                # (a stale `open` hint, its sealer having died before advancing it, leads a
+                # member of the last round here too: at the next round it is a member again)
+                rnd += 1
+                member = previous is not None and rnd == previous + 1
                 prev_size = self._sealed_size(rnd - 1)
-                spare = prev_size >= cfg.max_nodes
+                spare = prev_size >= cfg.max_nodes and not member
                 continue
             slot = v & COUNT_MASK
             record = _Record(self._host, os.getpid(), self._local_id, self._attempt)
@@ -613,9 +657,11 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
                 rank, world = self._wait_for_seat(rnd, slot, v, prev_size, spare, deadline)
                 break
             except _Spare as exc:
-                rnd, member = rnd + 1, False
-                spare = exc.full
+                rnd += 1
+                member = previous is not None and rnd == previous + 1
                 prev_size = self._sealed_size(rnd - 1)
+                # a node judged dead that was only slow waits behind a full round like a spare
+                spare = (exc.full or prev_size >= cfg.max_nodes) and not member
         addr, port, server = self._bootstrap(rnd, rank)
         with turn():
             self._server = server  # the previous round's workers' store (if any) goes away
@@ -659,6 +705,9 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             lead = self._leader(rnd, slot)
             due = self._maybe_seal(rnd, None, prev_size, lead=lead, keeper=keeper) if lead or keeper else None
             keeper = keeper or (due is not None)
+            if spare and self._call(self._store.check, [self._k(rnd, "freed")]):
+                # the full round it waited behind is gone (c10d moves its spares to the wait list)
+                spare, deadline = False, time.monotonic() + cfg.join_timeout
             if not spare and time.monotonic() >= deadline:
                 return self._time_out(rnd, slot, prev_size, spare)
 
@@ -687,7 +736,16 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         count, rejoined = v & COUNT_MASK, (v >> 24) & COUNT_MASK
         released = rnd == 0 or rejoined >= prev_size
         if not released and lead:
-            released = rejoined + self._dead_members(rnd - 1) >= prev_size
+            dead = self._dead_members(rnd - 1)
+            if dead and rejoined + len(dead) >= prev_size:
+                # a member that re-joined and died since is in both counts: count it once
+                back = {r.node for r in self._records(rnd, 1, count) if r is not None}
+                released = rejoined + len(dead - back) >= prev_size
+        if released and lead and rnd > 0 and count < cfg.min_nodes and self._freed != rnd:
+            # The previous round is gone (its members dead or back) and this one cannot form yet:
+            # its spares stop waiting behind a full round, and their join_timeout starts now.
+            self._call(self._store.set, self._k(rnd, "freed"), "1")
+            self._freed = rnd
         if not released or count < cfg.min_nodes:
             return None
         if count >= cfg.max_nodes and self._seal(rnd, prev_size, last_call_over=False, v0=v):
@@ -724,11 +782,17 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         if v >= 2 * SEALED:
             return False  # another node is sealing (or the run was closed)
         count = v & COUNT_MASK
-        if count > len(records):  # arrived since our check: fresh, so alive
-            extra = self._records(rnd, len(records) + 1, count)
-            records += extra
-            alive += [r is not None for r in extra]
+        if count > len(records):
+            records += self._records(rnd, len(records) + 1, count)
+        # Look again now that the round is closed: a node whose join_timeout ran out withdraws
+        # (negative heartbeat), then reads the counter; if it found the round still open, its
+        # withdrawal came before our add, so this read sees it, and it is not admitted behind
+        # the error it raised. (One more multi_get, once per round.)
+        alive = self._alive(records)
         live_slots = [k for k in range(count) if alive[k]]
+        fell_apart = len(live_slots) < cfg.min_nodes
+        if fell_apart:  # too few are left to form the round: all move on to the next one
+            live_slots = []
         admitted = live_slots[: cfg.max_nodes]
         ordered = sorted(admitted, key=lambda k: records[k].order)  # type: ignore[union-attr]
         rank_of = {k: i for i, k in enumerate(ordered)}
@@ -736,7 +800,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         keys, values = [], []
         for k in range(count):
             keys.append(self._k(rnd, f"rank/{k + 1}"))
-            values.append(f"{rank_of[k]} {world}" if k in rank_of else (SPARE if alive[k] else DEAD))
+            values.append(f"{rank_of[k]} {world}" if k in rank_of else (SPARE if alive[k] and not fell_apart else DEAD))
         keys += [self._k(rnd, "members"), self._k(rnd, "seal")]
         values += ["\n".join(records[k].node for k in ordered), str(world)]  # type: ignore[union-attr]
         self._call(store.multi_set, keys, values)
@@ -747,7 +811,14 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             if got in (desired, CLOSED_OPEN) or int(got.split(",")[0]) > rnd:
                 break
             expected = got  # a stale hint (a sealer that died before advancing it): replace it
-        log.info("torch_ctrl: sealed round %d of the ctrl rendezvous '%s' with %d nodes", rnd, cfg.run_id, world)
+        if fell_apart:
+            log.warning(
+                "torch_ctrl: round %d of the ctrl rendezvous '%s' did not form: %d of its nodes were still alive "
+                "when it closed (min_nodes=%d); they join the next round",
+                rnd, cfg.run_id, len([k for k in range(count) if alive[k]]), cfg.min_nodes,
+            )  # fmt: skip
+        else:
+            log.info("torch_ctrl: sealed round %d of the ctrl rendezvous '%s' with %d nodes", rnd, cfg.run_id, world)
         return True
 
     def _records(self, rnd: int, first: int, last: int) -> list[_Record | None]:
@@ -781,15 +852,15 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             fresh[r.node] = when > 0 and now - when <= limit and int(attempt) == r.attempt
         return [r is not None and fresh[r.node] for r in records]
 
-    def _dead_members(self, rnd: int) -> int:
-        """How many members of sealed round ``rnd`` have stopped heartbeating (the leader's slow path)."""
+    def _dead_members(self, rnd: int) -> set[str]:
+        """The members of sealed round ``rnd`` that have stopped heartbeating (the leader's slow path)."""
         raw = self._call(self._store.compare_set, self._k(rnd, "members"), "\x01", "\x02")
         if raw == b"\x01" or not raw:
-            return 0
+            return set()
         nodes = raw.decode().split("\n")
         beats = self._call(self._store.multi_get, [f"{self._root}/hb/{n}" for n in nodes])
         now, limit = time.time(), self.config.dead_after
-        return sum(1 for b in beats if now - float(bytes(b).decode().split()[0]) > limit)
+        return {n for n, b in zip(nodes, beats) if now - float(bytes(b).decode().split()[0]) > limit}
 
     def _leader(self, rnd: int, slot: int) -> bool:
         """Whether this node leads round ``rnd`` (watches timers and dead nodes). Slot 1 leads;
@@ -818,16 +889,21 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         _beater.forget(self)
         self._call(self._store.set, self._hb_key, self._withdrawn())
         v = int(self._call(self._store.add, self._k(rnd, "arrived"), 0))
+        count, rejoined = v & COUNT_MASK, (v >> 24) & COUNT_MASK
         if v >= SEALED:  # a sealer read our heartbeat before we withdrew: its verdict stands
             raw = self._blocking_get(self._k(rnd, f"rank/{slot}"), cfg.read_timeout)
-            if raw is not None:
-                try:
-                    seat = self._seat(raw, spare)
-                    _beater.watch(self)
-                    return seat
-                except _Spare:
-                    pass
-        count, rejoined = v & COUNT_MASK, (v >> 24) & COUNT_MASK
+            if raw is None:  # closed to arrivals, but the outcome never came
+                raise _errors().RendezvousTimeoutError(
+                    f"ctrl rendezvous '{cfg.run_id}' round {rnd}: a node began sealing the round but did not "
+                    f"write its outcome within read_timeout={cfg.read_timeout:g}s (its agent died while "
+                    f"sealing); {count} nodes had arrived"
+                )
+            try:
+                seat = self._seat(raw, spare)
+                _beater.watch(self)
+                return seat
+            except _Spare:
+                pass
         records = self._records(rnd, 1, count)
         joined = self._alive(records, recent=True)
         hosts = [f"{r.host}:{r.pid}" for r, a in zip(records, joined) if r is not None and (a or r.node == self.node)]
