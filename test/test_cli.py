@@ -61,9 +61,9 @@ def test_help_and_version() -> None:
     for command in ("inspect", "info", "demo", "bench"):
         line = next(ln for ln in top.stdout.splitlines() if ln.strip().startswith(command + " "))
         assert len(line.split(None, 1)[1]) > 20, line  # a one-line description
-    for command in ("inspect", "demo", "bench"):
-        out = _run("-m", "torch_ctrl", command, "--help")
-        assert out.returncode == 0 and out.stdout.startswith("usage: "), out.stderr
+    for command in ("inspect", "info", "demo", "bench", "bench rendezvous"):
+        out = _run("-m", "torch_ctrl", *command.split(), "--help")
+        assert out.returncode == 0 and out.stdout.startswith(f"usage: torch-ctrl {command} "), out.stdout[:200]
     assert "--watch" in _run("-m", "torch_ctrl", "inspect", "--help").stdout
     version = _run("-m", "torch_ctrl", "--version")
     assert version.returncode == 0 and version.stdout.strip() == f"torch_ctrl {torch_ctrl.__version__}"
@@ -187,3 +187,25 @@ def test_inspect_command_json_text_prefix_and_watch() -> None:
     watch.communicate(timeout=60)
     assert watch.returncode == 0
     coll.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("level", ["INFO", None])
+def test_torch_ctrl_run_prints_its_info_lines_under_loglevel(tmp_path: Path, level: str | None) -> None:
+    """Under torchrun's LOGLEVEL=INFO, `python -m torch_ctrl.run` prints torch_ctrl's INFO lines
+    next to torch's: which process hosts the rendezvous store and on which port (what to
+    `inspect` under --standalone), and the rounds. Without it, nothing more than before."""
+    script = tmp_path / "w.py"
+    script.write_text("print('worker ran')\n")
+    env = {k: v for k, v in os.environ.items() if k != "LOGLEVEL"}
+    env.update({"RES_OPTIONS": "timeout:1 attempts:1", **({"LOGLEVEL": level} if level else {})})
+    out = subprocess.run(
+        [sys.executable, "-m", "torch_ctrl.run", "--standalone", "--nproc-per-node=1", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env=env,
+    )
+    assert out.returncode == 0 and "worker ran" in out.stdout, out.stderr[-3000:]
+    said = "hosts the ctrl rendezvous store on port" in out.stderr and "joined round 0" in out.stderr
+    assert said == (level is not None), out.stderr[-3000:]

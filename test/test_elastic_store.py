@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 from datetime import timedelta
 from multiprocessing.pool import ThreadPool
 from types import SimpleNamespace
@@ -404,3 +405,27 @@ def test_notice_linger_from_the_environment(monkeypatch: pytest.MonkeyPatch, raw
     infinite linger would keep a failed node from exiting; the notice's bound adds to it)."""
     monkeypatch.setenv("TORCH_CTRL_NOTICE_LINGER", raw)
     assert agent._env_seconds("TORCH_CTRL_NOTICE_LINGER", 5.0) == seconds
+
+
+@pytest.mark.parametrize(
+    ("raw", "seconds"),
+    [("0.5", 0.5), ("0", 0.0), ("3600", 3600.0), ("7200", 5.0), ("0.001", 5.0), ("-1", 5.0), ("abc", 5.0)],
+)
+def test_agent_heartbeat_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, raw: str, seconds: float
+) -> None:
+    """TORCH_CTRL_AGENT_HEARTBEAT: 0 (off) or what a collective accepts, 0.01-3600 s. Out of
+    range it used to stop the whole launch with a ValueError that did not name the variable;
+    now, as for a non-number, the default with a warning that names it and the range."""
+    from torch_ctrl.base import MAX_HEARTBEAT, MIN_HEARTBEAT
+
+    monkeypatch.setenv("TORCH_CTRL_AGENT_HEARTBEAT", raw)
+    with caplog.at_level(logging.WARNING, logger="torch_ctrl"):
+        got = agent._env_seconds("TORCH_CTRL_AGENT_HEARTBEAT", 5.0, MIN_HEARTBEAT, MAX_HEARTBEAT)
+    assert got == seconds
+    warned = [r.getMessage() for r in caplog.records if "TORCH_CTRL_AGENT_HEARTBEAT" in r.getMessage()]
+    if got == float(raw.replace("abc", "nan")):
+        assert not warned
+    else:
+        said = f"torch_ctrl: TORCH_CTRL_AGENT_HEARTBEAT={raw!r} is not a number of seconds >= 0 (0, or 0.01 to 3600)"
+        assert warned == [f"{said}; using 5"]

@@ -485,7 +485,7 @@ def _names(text: str, allowed: Sequence[str], aliases: dict[str, str]) -> list[s
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """Options of ``python -m torch_ctrl bench``."""
     p = argparse.ArgumentParser(
-        prog="python -m torch_ctrl bench",
+        prog="torch-ctrl bench",
         description=(__doc__ or "").splitlines()[0].replace("``", ""),
         epilog="The ctrl rendezvous against torch's c10d: python -m torch_ctrl bench rendezvous --help",
     )

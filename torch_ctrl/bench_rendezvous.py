@@ -240,7 +240,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     from .bench import MAX_TIMEOUT, timeout_error
 
     p = argparse.ArgumentParser(
-        prog="python -m torch_ctrl bench rendezvous", description=(__doc__ or "").splitlines()[0].replace("``", "")
+        prog="torch-ctrl bench rendezvous", description=(__doc__ or "").splitlines()[0].replace("``", "")
     )
     p.add_argument(
         "--nodes",

@@ -138,7 +138,7 @@ def _print(reports: list[dict[str, Any]], names: list[str], store: Any) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the demo job; 0 when every collective returned the right result, else 1."""
     parser = argparse.ArgumentParser(
-        prog="python -m torch_ctrl demo",
+        prog="torch-ctrl demo",
         description="A torchrun job on 127.0.0.1 that runs every collective, checks it and times it.",
     )
     parser.add_argument("--world-size", type=int, default=4, help="number of worker processes (default 4)")

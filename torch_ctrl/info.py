@@ -115,7 +115,7 @@ def render(data: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the report; 0 on success."""
     parser = argparse.ArgumentParser(
-        prog="python -m torch_ctrl info",
+        prog="torch-ctrl info",
         description="Show the torch and torch_ctrl versions, the active implementation and why, "
         "and the store capabilities detected.",
     )

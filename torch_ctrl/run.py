@@ -10,6 +10,7 @@ line meets at ``--master-addr``). ``--help`` says so, above torchrun's own optio
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import uuid
@@ -112,12 +113,31 @@ def register_backend() -> None:
         pass  # registered already (the entry point): same backend
 
 
+def log_like_torchrun() -> None:
+    """Under ``LOGLEVEL`` (torchrun's switch for its own INFO lines), print torch_ctrl's log
+    lines at that level too (which process hosts the rendezvous store, on which port; rounds),
+    unless the program configured logging itself. Only here, in a process this command owns."""
+    level = os.environ.get("LOGLEVEL", "").strip().upper()
+    logger = logging.getLogger("torch_ctrl")
+    if not level or logger.handlers or logging.getLogger().handlers:
+        return
+    try:
+        logger.setLevel(level)
+    except ValueError:
+        return  # not a level name: torch's own loggers refuse it too
+    handler = logging.StreamHandler()
+    layout = "%(levelname).1s%(asctime)s %(process)d %(name)s] %(message)s"  # as torch's own lines
+    handler.setFormatter(logging.Formatter(layout, "%m%d %H:%M:%S"))
+    logger.addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run torchrun with the ctrl defaults."""
     from torch.distributed import run as torchrun
 
     from .elastic import install
 
+    log_like_torchrun()
     install()
     register_backend()
     torchrun.main(torchrun_args(sys.argv[1:] if argv is None else argv))

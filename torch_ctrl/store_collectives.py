@@ -113,7 +113,8 @@ class PyStoreCollectives(ControlCollectives):
     Raises:
         TypeError: ``store`` is not a ``torch.distributed.Store``, or ``rank``/``world_size``
             are not ints.
-        ValueError: ``rank`` out of range, ``world_size < 1`` or a non-positive interval.
+        ValueError: ``rank`` out of range, ``world_size < 1``, or an interval outside
+            0.01-3600 s.
 
     Example::
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import keys as K
-from ..base import ControlCollectives
+from ..base import MAX_HEARTBEAT, MIN_HEARTBEAT, ControlCollectives
 from ..bounded import Caller, NoAnswer, Silence, client_timeout, parked, within
 from ..errors import CollectiveAbortedError, CollectiveTimeoutError, format_ranks
 from ..lanes import await_server, peek, server_of
@@ -78,9 +78,11 @@ def _signal_exception() -> type[BaseException]:
     return SignalException
 
 
-def _env_seconds(name: str, default: float) -> float:
-    """``name`` from the environment as seconds: ``default`` (with a warning) unless it is a
-    finite number >= 0 (an infinite linger would keep a failed node from ever exiting)."""
+def _env_seconds(name: str, default: float, lo: float = 0.0, hi: float = math.inf) -> float:
+    """``name`` from the environment as seconds: ``default`` (with a warning) unless it is 0 or
+    a finite number within ``[lo, hi]`` (an infinite linger would keep a failed node from ever
+    exiting; a heartbeat interval out of range would stop the launch with an error that does
+    not name the variable)."""
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -88,8 +90,9 @@ def _env_seconds(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not (0.0 <= value < math.inf):
-        log.warning("torch_ctrl: %s=%r is not a number of seconds >= 0; using %g", name, raw, default)
+    if not (value == 0.0 or lo <= value <= hi) or not 0.0 <= value < math.inf:
+        within = "" if (lo, hi) == (0.0, math.inf) else f" (0, or {lo:g} to {hi:g})"
+        log.warning("torch_ctrl: %s=%r is not a number of seconds >= 0%s; using %g", name, raw, within, default)
         return default
     return value
 
@@ -208,7 +211,7 @@ def group_of(agent: Any) -> AgentGroup | None:
 def _open(agent: Any, store: dist.Store, rank: int, world_size: int) -> AgentGroup:
     _close(agent)
     prefixed = dist.PrefixStore(AGENT_PREFIX, store)
-    heartbeat = _env_seconds("TORCH_CTRL_AGENT_HEARTBEAT", 5.0)
+    heartbeat = _env_seconds("TORCH_CTRL_AGENT_HEARTBEAT", 5.0, MIN_HEARTBEAT, MAX_HEARTBEAT)
     interval = heartbeat if heartbeat > 0 else None
     coll = StoreCollectives(prefixed, rank, world_size, heartbeat_interval=interval)
     # The name the rendezvous records for this node: --local-addr when given, else the FQDN.
