@@ -1,6 +1,6 @@
 """Real torchrun jobs that change size under the ``ctrl`` rendezvous: a node joins a running
-job (scale-up), a node's process tree is SIGKILLed (scale-down). Launchers on 127.0.0.1, two
-gloo workers each."""
+job (scale-up), a node's process tree is SIGKILLed (scale-down), a spare takes a dead node's
+place. Launchers on 127.0.0.1, two gloo workers each."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import os
 import re
 import sys
 import time
+from datetime import timedelta
 
 import pytest
-from helpers import HOST, Node, free_port
+import torch.distributed as dist
+from helpers import HOST, Node, free_port, poll
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -83,6 +85,36 @@ def test_scale_down_the_survivors_continue_in_a_new_round() -> None:
         sys.stderr.write(f"\n[scale-down] survivors exited {time.monotonic() - killed:.1f}s after the kill\n")
         assert [n.returncode for n in survivors] == [0, 0], _both(nodes)
         lines = sorted(m for n in survivors for m in OK.findall(n.output))
+        assert lines == [(str(r), "4", "1") for r in range(4)], _both(nodes)
+    finally:
+        for n in nodes:
+            n.kill()
+
+
+def test_a_spare_node_takes_the_place_of_a_node_that_died() -> None:
+    """--nnodes=2:2 with a third node waiting as a spare; one member's agent and workers are
+    SIGKILLed while the other's workers idle (healthy: nothing of theirs fails). As with c10d,
+    the survivor's agent finds the spare waiting once the dead node's heartbeat is stale,
+    restarts, and the survivor and the spare finish round 1 with 2 x 2 workers and exit 0."""
+    port = free_port()
+    nodes: list[Node] = []
+    try:
+        for i in range(2):
+            nodes.append(_node(port, "2:2", i == 0, "replace", 4, 1))
+        for n in nodes:
+            n.wait_for("IDLE", 90)
+        nodes.append(_node(port, "2:2", False, "replace", 4, 1))  # the spare
+        store = dist.TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=30))
+        poll(lambda: int(store.add(f"torch_ctrl/rdzv/elastic{port}/1/arrived", 0)) == 1, 60, "the spare arrived")
+        victim = nodes[1]
+        victim.kill_all()
+        killed = time.monotonic()
+        finishers = [nodes[0], nodes[2]]
+        for n in finishers:
+            n.wait(120)
+        sys.stderr.write(f"\n[spare] survivor and spare exited {time.monotonic() - killed:.1f}s after the kill\n")
+        assert [n.returncode for n in finishers] == [0, 0], _both(nodes)
+        lines = sorted(m for n in finishers for m in OK.findall(n.output))
         assert lines == [(str(r), "4", "1") for r in range(4)], _both(nodes)
     finally:
         for n in nodes:

@@ -4,6 +4,8 @@ Every mode joins gloo through torchrun's environment (MASTER_ADDR/MASTER_PORT of
 While WORLD_SIZE differs from FINAL_WORLD the group is the one to be replaced:
   scale-up     print RUNNING and idle until the agent stops the workers (a node joins)
   scale-down   print LOOPING and all_reduce in a loop until a peer dies and the op fails
+  replace      (whatever the world) in round 0: print IDLE and idle until the agent stops the
+               workers (a spare takes a dead node's place); later rounds run as below
 Once WORLD_SIZE == FINAL_WORLD: 20 all_reduces, checked, then "WORKER OK ..." and exit 0.
 """
 
@@ -21,6 +23,10 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     expected = world * (world + 1) / 2
+    if mode == "replace" and os.environ.get("TORCH_CTRL_ROUND") == "0":
+        print(f"IDLE rank={rank} world={world}", flush=True)
+        while True:
+            time.sleep(1.0)  # healthy, and no collective to fail: only the rendezvous can restart us
     if world != final:
         print(f"{'RUNNING' if mode == 'scale-up' else 'LOOPING'} rank={rank} world={world}", flush=True)
         while True:
