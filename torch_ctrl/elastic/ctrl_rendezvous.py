@@ -429,6 +429,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         self._server: dist.Store | None = None  # the workers' store of the current round (node 0)
         self._lead_check = 0.0
         self._freed = -1  # the last round this node marked freed (see _maybe_seal)
+        self._unsealed_since: tuple[int, float] | None = None  # (round, when) seen closed, no outcome
         self._members: tuple[int, list[str]] = (-1, [])  # (round, its members in rank order)
         self._next_member_look = 0.0
         self._member_gone = False
@@ -732,6 +733,8 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         if v is None:
             v = int(self._call(self._store.add, self._k(rnd, "arrived"), 0))
         if v >= SEALED:
+            if lead:
+                self._take_over(rnd, v, prev_size)
             return None
         count, rejoined = v & COUNT_MASK, (v >> 24) & COUNT_MASK
         released = rnd == 0 or rejoined >= prev_size
@@ -788,26 +791,43 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         # (negative heartbeat), then reads the counter; if it found the round still open, its
         # withdrawal came before our add, so this read sees it, and it is not admitted behind
         # the error it raised. (One more multi_get, once per round.)
-        alive = self._alive(records)
+        self._publish(rnd, prev_size, records, self._alive(records))
+        return True
+
+    def _publish(self, rnd: int, prev_size: int, records: list[_Record | None], alive: list[bool]) -> None:
+        """Decide round ``rnd``'s outcome from its slots' records and liveness, and write it.
+
+        The outcome is decided by one ``compare_set`` of ``R/{r}/outcome``: the first writer wins,
+        and whoever writes the slots' keys writes the winning outcome. So a node that takes over
+        from a sealer that died while sealing (:meth:`_take_over`) and the sealer itself, should
+        it only have been slow, can never hand out two different outcomes."""
+        cfg = self.config
+        count = len(records)
         live_slots = [k for k in range(count) if alive[k]]
         fell_apart = len(live_slots) < cfg.min_nodes
         if fell_apart:  # too few are left to form the round: all move on to the next one
             live_slots = []
-        admitted = live_slots[: cfg.max_nodes]
-        ordered = sorted(admitted, key=lambda k: records[k].order)  # type: ignore[union-attr]
+        ordered = sorted(live_slots[: cfg.max_nodes], key=lambda k: records[k].order)  # type: ignore[union-attr]
         rank_of = {k: i for i, k in enumerate(ordered)}
         world = len(ordered)
-        keys, values = [], []
-        for k in range(count):
-            keys.append(self._k(rnd, f"rank/{k + 1}"))
-            values.append(f"{rank_of[k]} {world}" if k in rank_of else (SPARE if alive[k] and not fell_apart else DEAD))
+        values = [
+            f"{rank_of[k]} {world}" if k in rank_of else (SPARE if alive[k] and not fell_apart else DEAD)
+            for k in range(count)
+        ]
+        members = [records[k].node for k in ordered]  # type: ignore[union-attr]
+        mine = "\t".join(values) + "\n" + "\t".join(members)
+        won = self._call(self._store.compare_set, self._k(rnd, "outcome"), "", mine).decode()
+        if won != mine:  # another node decided it first: write that one
+            slots, names = won.split("\n")
+            values, members = slots.split("\t"), [n for n in names.split("\t") if n]
+            world, fell_apart = len(members), not members
+        keys = [self._k(rnd, f"rank/{k + 1}") for k in range(len(values))]
         keys += [self._k(rnd, "members"), self._k(rnd, "seal")]
-        values += ["\n".join(records[k].node for k in ordered), str(world)]  # type: ignore[union-attr]
-        self._call(store.multi_set, keys, values)
+        self._call(self._store.multi_set, keys, [*values, "\n".join(members), str(world)])
         # advance the `open` hint unless the run was closed or a later round sealed meanwhile
         expected, desired = f"{rnd},{prev_size}", f"{rnd + 1},{world}"
         while True:
-            got = self._call(store.compare_set, f"{self._root}/open", expected, desired).decode()
+            got = self._call(self._store.compare_set, f"{self._root}/open", expected, desired).decode()
             if got in (desired, CLOSED_OPEN) or int(got.split(",")[0]) > rnd:
                 break
             expected = got  # a stale hint (a sealer that died before advancing it): replace it
@@ -815,11 +835,35 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             log.warning(
                 "torch_ctrl: round %d of the ctrl rendezvous '%s' did not form: %d of its nodes were still alive "
                 "when it closed (min_nodes=%d); they join the next round",
-                rnd, cfg.run_id, len([k for k in range(count) if alive[k]]), cfg.min_nodes,
+                rnd, cfg.run_id, sum(alive), cfg.min_nodes,
             )  # fmt: skip
         else:
             log.info("torch_ctrl: sealed round %d of the ctrl rendezvous '%s' with %d nodes", rnd, cfg.run_id, world)
-        return True
+
+    def _take_over(self, rnd: int, v: int, prev_size: int) -> None:
+        """The leader's look at a round closed to arrivals whose outcome is not written: after
+        ``dead_after`` seconds of that, its sealer died while sealing, and the leader seals it
+        instead, from the records that exist (an arrival after the close writes none) and who
+        is alive now. One ``check`` per wake while it waits; O(N) calls once if it takes over."""
+        if self._call(self._store.check, [self._k(rnd, "seal")]) or self.is_closed():
+            return
+        now = time.monotonic()
+        if self._unsealed_since is None or self._unsealed_since[0] != rnd:
+            self._unsealed_since = (rnd, now)
+            return
+        if now - self._unsealed_since[1] < self.config.dead_after:
+            return
+        records: list[_Record | None] = []
+        for k in range(1, (v & COUNT_MASK) + 1):
+            key = self._k(rnd, f"n/{k}")
+            present = self._call(self._store.check, [key])
+            records.append(_Record.decode(bytes(self._call(self._store.get, key))) if present else None)
+        log.warning(
+            "torch_ctrl: round %d of the ctrl rendezvous '%s' was closed to arrivals %.0fs ago by a node that has not "
+            "written its outcome (it died while sealing); node %s seals it",
+            rnd, self.config.run_id, now - self._unsealed_since[1], self.node,
+        )  # fmt: skip
+        self._publish(rnd, prev_size, records, self._alive(records))
 
     def _records(self, rnd: int, first: int, last: int) -> list[_Record | None]:
         """Records of slots ``first..last`` (one ``multi_get``); a slot whose node died between
