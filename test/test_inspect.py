@@ -621,3 +621,30 @@ def test_rendezvous_keep_alive_stale_and_withdrawn_nodes() -> None:
     own = ": STALE (past the 3.0s after which the rendezvous takes it for dead)"
     assert any(x.startswith("    node 3: host gpu-4 (agent pid 14), keep-alive ") and x.endswith(own) for x in lines)
     assert any(x.startswith("    node 4: host gpu-5 (agent pid 15), keep-alive 2") and "STALE" not in x for x in lines)
+
+
+@needs_list_keys
+def test_a_round_that_did_not_form_is_not_shown_as_the_current_one() -> None:
+    """Round 1 was sealed with too few of its nodes left alive (seal 0, every slot `d`, `void`):
+    its nodes went on to round 2, which is forming. inspect shows round 2 with them, not round 1
+    as complete with 0 nodes (nor round 0, the last round that formed)."""
+    from torch_ctrl import rdzv_state as R
+
+    names = [(None, "open"), (0, "seal"), (0, "n/1"), (1, "seal"), (1, "void"), (1, "n/1"), (2, "n/1"), (2, "n/2")]
+    assert R.native_keys_to_read("r", names)[0] == 2
+    assert R.native_keys_to_read("r", [(0, "seal"), (1, "n/1")])[0] == 0  # a running round 0
+    assert R.native_keys_to_read("r", [(0, "seal"), (0, "void")])[0] == 0  # nothing newer seen
+
+    server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    root = "torch_ctrl/rdzv/void"
+    server.set(f"{root}/0/seal", b"2")
+    server.set(f"{root}/1/seal", b"0")
+    server.set(f"{root}/1/void", b"1")
+    for slot, host in enumerate(("gpu-1", "gpu-2"), 1):
+        server.set(f"{root}/1/n/{slot}", f"{host}\t{slot}\t0\t2")
+        server.set(f"{root}/1/rank/{slot}", b"d")
+        server.set(f"{root}/2/n/{slot}", f"{host}\t{slot}\t0\t3")
+        server.set(f"{root}/hb/{host}_{slot}_0", f"{time.time():.3f} 3")
+    state = torch_ctrl.inspect(f"{HOST}:{server.port}", interval=0)["torchrun"][0]["state"]
+    assert state["round"] == 2 and state["complete"] is False, state
+    assert [n["host"] for n in state["waiting"]] == ["gpu-1", "gpu-2"], state

@@ -161,10 +161,16 @@ def split_native(key: str) -> tuple[str, int | None, str] | None:
 
 def native_keys_to_read(run_id: str, names: list[tuple[int | None, str]]) -> tuple[int | None, list[str]]:
     """The current round (the newest sealed one, else the newest seen) and the keys to read
-    for it: the run's ``open``/``closed``, every heartbeat, and that round's keys."""
-    sealed = [r for r, rest in names if r is not None and rest == "seal"]
+    for it: the run's ``open``/``closed``, every heartbeat, and that round's keys. A round that
+    did not form (``void``: too few of its nodes were left when it was sealed) is not current:
+    when it is newer than every round that formed, the newest round seen is (its nodes went on
+    there)."""
+    void = {r for r, rest in names if r is not None and rest == "void"}
+    sealed = [r for r, rest in names if r is not None and rest == "seal" and r not in void]
     rounds = [r for r, _ in names if r is not None]
     current = max(sealed) if sealed else (max(rounds) if rounds else None)
+    if void and rounds and max(void) > (max(sealed) if sealed else -1):
+        current = max(rounds)
     root = f"{NATIVE_ROOT}{run_id}"
     keys = [f"{root}/{rest}" for r, rest in names if r is None]
     keys += [f"{root}/{r}/{rest}" for r, rest in names if r is not None and r == current]

@@ -84,6 +84,8 @@ SPARE, DEAD, CLOSED = "s", "d", "c"
 ASK_BOUND = 5.0
 # Seconds between the warnings that the store still does not answer.
 SILENT_LOG_EVERY = 60.0
+# Seconds a node that withdraws waits for a heartbeat of its own that is being sent.
+FORGET_BOUND = 2.0
 
 _local_ids = itertools.count()  # process-wide, like c10d's node descriptors (next() is atomic under the GIL)
 
@@ -273,6 +275,7 @@ class _Beater:
         self._cv = threading.Condition()
         self._due: dict[int, tuple[weakref.ref[NativeRendezvousHandler], float]] = {}
         self._thread: threading.Thread | None = None
+        self._sending = threading.Lock()  # held while a batch is built and sent (see forget)
 
     def watch(self, handler: NativeRendezvousHandler) -> None:
         with self._cv:
@@ -283,8 +286,14 @@ class _Beater:
             self._cv.notify()
 
     def forget(self, handler: NativeRendezvousHandler) -> None:
+        """Stop beating for ``handler``; returns once no beat of it is being sent, so a
+        withdrawal written next is never overwritten by a beat already on its way. (A beat is
+        one request without a reply; ``FORGET_BOUND`` covers a slow connection, and a store
+        that stopped answering never holds a node's exit for longer.)"""
         with self._cv:
             self._due.pop(id(handler), None)
+        if self._sending.acquire(timeout=FORGET_BOUND):
+            self._sending.release()
 
     def _run(self) -> None:
         while True:
@@ -301,19 +310,25 @@ class _Beater:
                         del self._due[i]
                     else:
                         self._due[i] = (ref, now + h.config.keep_alive_interval)
-            batches: dict[int, tuple[dist.Store, list[str], list[str], list[int]]] = {}
-            for i, ref in due:
-                h = ref()
-                if h is not None:
-                    store, keys, values, ids = batches.setdefault(id(h._beats), (h._beats, [], [], []))
-                    keys.append(h._hb_key)
-                    values.append(h._beat_value())
-                    ids.append(i)
-            for store, keys, values, ids in batches.values():
-                try:
-                    parked(store).multi_set(keys, values)  # a daemon thread's call: see parked()
-                except Exception as exc:  # noqa: BLE001 - a missed beat is what keep_alive_max_attempt allows
-                    self._failed(store, ids, exc)
+            with self._sending:
+                self._send(due)
+
+    def _send(self, due: list[tuple[int, weakref.ref[NativeRendezvousHandler]]]) -> None:
+        batches: dict[int, tuple[dist.Store, list[str], list[str], list[int]]] = {}
+        with self._cv:  # a handler forgotten since ``due`` was taken has withdrawn: no beat
+            due = [(i, ref) for i, ref in due if i in self._due]
+        for i, ref in due:
+            h = ref()
+            if h is not None:
+                store, keys, values, ids = batches.setdefault(id(h._beats), (h._beats, [], [], []))
+                keys.append(h._hb_key)
+                values.append(h._beat_value())
+                ids.append(i)
+        for store, keys, values, ids in batches.values():
+            try:
+                parked(store).multi_set(keys, values)  # a daemon thread's call: see parked()
+            except Exception as exc:  # noqa: BLE001 - a missed beat is what keep_alive_max_attempt allows
+                self._failed(store, ids, exc)
 
     def _failed(self, store: dist.Store, ids: list[int], exc: Exception) -> None:
         """A lost connection stays lost (torch's client does not reconnect): its handlers stop
@@ -431,8 +446,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         self._freed = -1  # the last round this node marked freed (see _maybe_seal)
         self._unsealed_since: tuple[int, float] | None = None  # (round, when) seen closed, no outcome
         self._members: tuple[int, list[str]] = (-1, [])  # (round, its members in rank order)
-        self._next_member_look = 0.0
-        self._member_gone = False
+        self._member_look: tuple[int, float, bool] = (-1, 0.0, False)  # (round, next look, member lost)
         # Named in the errors of a lost store: the host to look at is the one that serves it.
         self._address = _address_of(store)
         self._asker = Caller("torch_ctrl-rdzv-ask")  # num_nodes_waiting()'s bounded calls
@@ -489,7 +503,8 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         if self.round is None:
             return 0
         try:
-            count = self._asker.call(ASK_BOUND, self._waiting, self.round)
+            # (the round as of now: a call given up on may finish after this node moved on)
+            count = self._asker.call(ASK_BOUND, self._waiting, self.round, self._rank, self._world_size)
         except NoAnswer as exc:
             self._silent(exc.waited or ASK_BOUND)
             return 0
@@ -497,44 +512,52 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             log.warning("torch_ctrl: ctrl rendezvous '%s': %s answers again", self.config.run_id, self._where())
         return count
 
-    def _waiting(self, rnd: int) -> int:
-        """:meth:`num_nodes_waiting` on the connection that may be given up on."""
+    def _waiting(self, rnd: int, rank: int | None, world: int) -> int:
+        """:meth:`num_nodes_waiting` for round ``rnd`` (this node's ``rank`` of ``world``), on
+        the connection that may be given up on."""
         v = int(self._call(self._parked.add, self._k(rnd + 1, "arrived"), 0))
         count, members = v & COUNT_MASK, (v >> 24) & COUNT_MASK
-        if members or self._world_size < self.config.max_nodes:
+        if members or world < self.config.max_nodes:
             return count
-        if count and v < SEALED and self._member_lost(rnd):
+        if count and v < SEALED and rank is not None and self._member_lost(rnd, rank):
             return count  # spares can take the place of a member that died (c10d counts them then)
         return 0
 
-    def _member_lost(self, rnd: int) -> bool:
+    def _member_lost(self, rnd: int, rank: int) -> bool:
         """Whether the member after this node in round ``rnd``'s rank order stopped heartbeating
         (its host died, its agent was SIGKILLed). This node then counts the spares as waiting, so
         its agent restarts into a round with them; the others follow once it re-joins. One read
         per ``keep_alive_interval`` per node (the members once per round): O(1), whatever N,
         and only while spares wait behind a full round. A node that left on purpose (negative
-        heartbeat: its agent finished and closed the run) is not lost."""
+        heartbeat: its agent finished and closed the run) is not lost. Restarting costs the whole
+        job a round, so the heartbeat must be older than ``dead_after`` plus one interval.
+
+        What it found is kept with its round (a new round starts with nothing found), since a
+        call given up on by :meth:`num_nodes_waiting` may finish after this node moved on."""
+        cfg = self.config
         now = time.monotonic()
-        if now < self._next_member_look:
-            return self._member_gone
-        self._next_member_look = now + self.config.keep_alive_interval
-        if self._members[0] != rnd:
+        look_round, next_look, gone = self._member_look
+        if look_round == rnd and now < next_look:
+            return gone
+        members_round, nodes = self._members
+        if members_round != rnd:
             raw = self._call(self._parked.compare_set, self._k(rnd, "members"), "\x01", "\x02")
-            self._members = (rnd, [] if raw == b"\x01" or not raw else raw.decode().split("\n"))
-        nodes = self._members[1]
-        if len(nodes) < 2 or self._rank is None:
+            nodes = [] if raw == b"\x01" or not raw else raw.decode().split("\n")
+            self._members = (rnd, nodes)
+        if len(nodes) < 2 or not 0 <= rank < len(nodes):
             return False
-        after = nodes[(self._rank + 1) % len(nodes)]
+        after = nodes[(rank + 1) % len(nodes)]
         raw = self._call(self._parked.compare_set, f"{self._root}/hb/{after}", "\x01", "\x02")
         t = float(bytes(raw).decode().split()[0]) if raw != b"\x01" else 0.0
-        was, self._member_gone = self._member_gone, t > 0 and time.time() - t > self.config.dead_after
-        if self._member_gone and not was:
+        lost = t > 0 and time.time() - t > cfg.dead_after + cfg.keep_alive_interval
+        if lost and not (look_round == rnd and gone):
             log.warning(
                 "torch_ctrl: ctrl rendezvous '%s': node %s of round %d has not heartbeated for %.0fs; "
                 "the spares waiting take its place (this node restarts its workers)",
-                self.config.run_id, after, rnd, time.time() - t,
+                cfg.run_id, after, rnd, time.time() - t,
             )  # fmt: skip
-        return self._member_gone
+        self._member_look = (rnd, now + cfg.keep_alive_interval, lost)
+        return lost
 
     def _where(self) -> str:
         return _store_named(self._address)
@@ -622,7 +645,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
 
         Critical path per node: ``compare_set`` (read ``open``), ``add`` (take a slot),
         ``multi_set`` (heartbeat + record), ``wait`` + ``get`` of its rank, ``get``/``set`` of the
-        bootstrap address: 6 calls, O(1) bytes. The sealer adds 3 calls moving O(N) bytes, once
+        bootstrap address: 6 calls, O(1) bytes. The sealer adds 7 calls, 5 of them moving O(N) bytes, once
         per round.
         """
         from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
@@ -644,7 +667,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
                 rnd += 1
                 member = previous is not None and rnd == previous + 1
                 prev_size = self._sealed_size(rnd - 1)
-                spare = prev_size >= cfg.max_nodes and not member
+                spare, deadline = self._still_spare(spare, prev_size >= cfg.max_nodes and not member, deadline)
                 continue
             slot = v & COUNT_MASK
             record = _Record(self._host, os.getpid(), self._local_id, self._attempt)
@@ -662,7 +685,8 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
                 member = previous is not None and rnd == previous + 1
                 prev_size = self._sealed_size(rnd - 1)
                 # a node judged dead that was only slow waits behind a full round like a spare
-                spare = (exc.full or prev_size >= cfg.max_nodes) and not member
+                behind = (exc.full or prev_size >= cfg.max_nodes) and not member
+                spare, deadline = self._still_spare(spare, behind, deadline)
         addr, port, server = self._bootstrap(rnd, rank)
         with turn():
             self._server = server  # the previous round's workers' store (if any) goes away
@@ -678,6 +702,12 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         with turn():
             store = dist.PrefixStore(f"torch.rendezvous.{cfg.run_id}.{rnd}", self._store)
         return RendezvousInfo(store, rank, world, RendezvousStoreInfo(addr, port))
+
+    def _still_spare(self, was: bool, spare: bool, deadline: float) -> tuple[bool, float]:
+        """A spare that stops being one (its round fell apart, or the round it waited behind is
+        gone) gets a whole ``join_timeout`` from now, as c10d's spares moved to the wait list:
+        it may have waited longer than that already, which a spare is allowed to."""
+        return spare, (time.monotonic() + self.config.join_timeout if was and not spare else deadline)
 
     def _wait_for_seat(
         self, rnd: int, slot: int, v: int, prev_size: int, spare: bool, deadline: float
@@ -822,8 +852,8 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             values, members = slots.split("\t"), [n for n in names.split("\t") if n]
             world, fell_apart = len(members), not members
         keys = [self._k(rnd, f"rank/{k + 1}") for k in range(len(values))]
-        keys += [self._k(rnd, "members"), self._k(rnd, "seal")]
-        self._call(self._store.multi_set, keys, [*values, "\n".join(members), str(world)])
+        keys += [self._k(rnd, "members"), self._k(rnd, "seal")] + ([self._k(rnd, "void")] if fell_apart else [])
+        self._call(self._store.multi_set, keys, [*values, "\n".join(members), str(world)] + ["1"] * fell_apart)
         # advance the `open` hint unless the run was closed or a later round sealed meanwhile
         expected, desired = f"{rnd},{prev_size}", f"{rnd + 1},{world}"
         while True:
@@ -931,6 +961,10 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         verdict); raise ``RendezvousTimeoutError`` naming who joined."""
         cfg = self.config
         _beater.forget(self)
+        if self._beats is not self._store:
+            # A beat sent on the heartbeats' connection just before is applied once this
+            # answers (the server serves a connection in order): the withdrawal comes after it.
+            self._call(self._beats.check, [self._hb_key])
         self._call(self._store.set, self._hb_key, self._withdrawn())
         v = int(self._call(self._store.add, self._k(rnd, "arrived"), 0))
         count, rejoined = v & COUNT_MASK, (v >> 24) & COUNT_MASK
