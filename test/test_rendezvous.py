@@ -482,7 +482,7 @@ def test_a_round_whose_sealer_died_while_sealing_is_sealed_by_its_leader(dies_at
     Now the leader seals it once it has stayed so for dead_after: from who is alive then (the
     sealer died before deciding the outcome), or with the outcome the sealer had decided (it died
     while writing the slots), so that a sealer that was only slow can never hand out another."""
-    job = Job(2, 3)
+    job = Job(2, 3, last_call_timeout=60)  # only c's arrival completes the round
     decided = dies_at == "slots"
 
     class Dies(_Hooked):
@@ -517,8 +517,8 @@ def test_a_member_lost_in_one_round_is_not_lost_in_the_next() -> None:
     Before, the finding outlived the round for up to keep_alive_interval, and the whole job
     restarted a second time for nothing. (a looks at most every 30 s, so a stale finding would
     be answered; b's last heartbeat is set 1000 s old.)"""
-    job = Job(1, 2)
-    a, b = job.node(keep_alive_interval=30.0), job.node()
+    job = Job(1, 2, keep_alive_max_attempt=50)  # 10 s: a's rare beats never look stale to s1
+    a, b = job.node(keep_alive_interval=30.0, keep_alive_max_attempt=2), job.node()
     join_all([a, b])
     s1 = job.node()
     first_spare = Call(s1.next_rendezvous)
@@ -539,7 +539,7 @@ def test_a_spare_whose_round_fell_apart_gets_a_whole_join_timeout() -> None:
     """A spare may wait longer than join_timeout. When the round it then waits in falls apart
     (its nodes die while it is sealed), it goes on as a plain node: with a whole join_timeout
     from then, not the deadline of its call, long past (before, it timed out at once)."""
-    job = Job(3, 3)
+    job = Job(3, 3, keep_alive_max_attempt=10)  # 2 s before a leader would take over the seal
     go, sealed = threading.Event(), threading.Event()
 
     class SealsThenStalls(_Hooked):
@@ -609,6 +609,43 @@ def test_a_beat_on_its_way_never_lands_after_a_withdrawal() -> None:
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:  # longer than a beat takes to land
         assert job.server.get(hb) == withdrawn
+
+
+def test_a_node_that_comes_back_to_its_round_holds_one_slot() -> None:
+    """x times out of round 0 and joins again (an agent or tool that retries): it lands in round
+    0 under a second slot. Only the slot of its current attempt is alive; before, both were
+    (liveness was looked up by node, not attempt), x got two ranks, and the round broke."""
+    job = Job(2, 3, join_timeout=1.0, read_timeout=3)
+    x = job.node()
+    with pytest.raises(RendezvousTimeoutError):
+        x.next_rendezvous()
+    again = Call(x.next_rendezvous)
+    poll(lambda: int(job.server.add(job.key("0/arrived"), 0)) == 2)
+    y = job.node(join_timeout=20)
+    infos = [Call(y.next_rendezvous).result(), again.result()]
+    assert [i.world_size for i in infos] == [2, 2] and sorted(i.rank for i in infos) == [0, 1]
+    assert job.server.get(job.key("0/rank/1")) == b"d"  # its first attempt's slot
+    y.set_closed()
+
+
+def test_a_deadline_that_comes_while_the_round_is_being_sealed_waits_for_the_take_over() -> None:
+    """c closes the round to arrivals shortly before a's and b's join_timeout and dies before
+    deciding. Before, a and b withdrew at their deadline and waited read_timeout for an outcome
+    nobody wrote (the leader takes over only while it waits); now they wait once more, alive,
+    and the leader's take-over gives them the round."""
+    job = Job(2, 3, join_timeout=1.5, read_timeout=3, last_call_timeout=60)
+    a, b, c = job.node(), job.node(), job.node()
+    calls = [Call(h.next_rendezvous) for h in (a, b)]
+    poll(lambda: int(job.server.add(job.key("0/arrived"), 0)) == 2)
+    close_at = calls[0].started + 1.3
+    while time.monotonic() < close_at:  # (the scenario needs the close this late)
+        time.sleep(0.02)
+    slot = int(job.server.add(job.key("0/arrived"), 1))  # c arrives, closes the round, dies
+    record = f"{c._host}\t{os.getpid()}\t{c._local_id}\t1"
+    job.server.multi_set([job.key(f"hb/{c.node}"), job.key(f"0/n/{slot}")], [f"{time.time():.3f} 1", record])
+    job.server.add(job.key("0/arrived"), ctrl_rendezvous.SEALED)
+    assert [call.result().world_size for call in calls] == [2, 2]
+    a.set_closed()
 
 
 # ----------------------------------------------------------------------------- cost

@@ -24,8 +24,13 @@ arrival slot, 1-based):
 ``R/{r}/n/{k}``               ``"{host}\\t{pid}\\t{local id}\\t{attempt}"``: who took slot ``k``
 ``R/{r}/rank/{k}``            ``"{rank} {world size}"``, or ``s`` (spare: the round was full),
                               ``d`` (judged dead), ``c`` (closed)
+``R/{r}/outcome``             every slot's outcome and the members, decided by one
+                              ``compare_set`` (the sealer's, or the leader's when it takes over
+                              from a sealer that died): the slot keys are written from it
 ``R/{r}/members``             node ids of round ``r`` in rank order (read only to find dead ones)
-``R/{r}/seal``                the round's size
+``R/{r}/seal``                the round's size (0: it did not form, and ``R/{r}/void`` is set)
+``R/{r}/freed``               set by the leader once round r-1 is gone and round r cannot form
+                              yet: its spares' join_timeout starts
 ``R/{r}/last_call``           unix time the last call started (the first writer wins)
 ``R/{r}/lead``                the slot of the round's leader, once another took over from slot 1
 ``R/{r}/boot``                ``"{addr}\\n{port}"``: the round's bootstrap store, from its node 0
@@ -314,21 +319,23 @@ class _Beater:
                 self._send(due)
 
     def _send(self, due: list[tuple[int, weakref.ref[NativeRendezvousHandler]]]) -> None:
-        batches: dict[int, tuple[dist.Store, list[str], list[str], list[int]]] = {}
-        with self._cv:  # a handler forgotten since ``due`` was taken has withdrawn: no beat
-            due = [(i, ref) for i, ref in due if i in self._due]
+        batches: dict[int, list[tuple[int, weakref.ref[NativeRendezvousHandler]]]] = {}
         for i, ref in due:
             h = ref()
             if h is not None:
-                store, keys, values, ids = batches.setdefault(id(h._beats), (h._beats, [], [], []))
-                keys.append(h._hb_key)
-                values.append(h._beat_value())
-                ids.append(i)
-        for store, keys, values, ids in batches.values():
-            try:
-                parked(store).multi_set(keys, values)  # a daemon thread's call: see parked()
+                batches.setdefault(id(h._beats), []).append((i, ref))
+        for batch in batches.values():
+            # Looked at again just before its send: a handler forgotten meanwhile (while another
+            # connection's batch was slow, past FORGET_BOUND) has withdrawn and gets no beat.
+            with self._cv:
+                handlers = [(i, h) for i, ref in batch if i in self._due and (h := ref()) is not None]
+            if not handlers:
+                continue
+            store = handlers[0][1]._beats
+            try:  # a daemon thread's call: see parked()
+                parked(store).multi_set([h._hb_key for _, h in handlers], [h._beat_value() for _, h in handlers])
             except Exception as exc:  # noqa: BLE001 - a missed beat is what keep_alive_max_attempt allows
-                self._failed(store, ids, exc)
+                self._failed(store, [i for i, _ in handlers], exc)
 
     def _failed(self, store: dist.Store, ids: list[int], exc: Exception) -> None:
         """A lost connection stays lost (torch's client does not reconnect): its handlers stop
@@ -720,6 +727,7 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
         # A node that started the last call keeps its time (as the leader does): it looks again
         # when the last call ends, not at its next keep-alive wake.
         keeper = due is not None
+        extended = False  # the deadline was moved once for a round being sealed
         self._lead_check = time.monotonic() + cfg.dead_after
         while True:
             now = time.monotonic()
@@ -740,6 +748,13 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
                 # the full round it waited behind is gone (c10d moves its spares to the wait list)
                 spare, deadline = False, time.monotonic() + cfg.join_timeout
             if not spare and time.monotonic() >= deadline:
+                if not extended and int(self._call(self._store.add, self._k(rnd, "arrived"), 0)) >= SEALED:
+                    # Being sealed (or closed: the next wake says so): its outcome comes from the
+                    # sealer, or from the leader taking over from one that died; waiting for it
+                    # withdrawn would leave this node out of it. Once, as long as a take-over takes.
+                    extended = True
+                    deadline = time.monotonic() + cfg.dead_after + 2 * cfg.keep_alive_interval
+                    continue
                 return self._time_out(rnd, slot, prev_size, spare)
 
     def _seat(self, raw: bytes, spare: bool) -> tuple[int, int]:
@@ -919,12 +934,12 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             return [False] * len(records)
         beats = self._call(self._store.multi_get, [f"{self._root}/hb/{r.node}" for r in present])
         now, limit = time.time(), self.config.dead_after
-        fresh = {}
+        fresh = {}  # per (node, attempt): a node that timed out and came back holds two slots
         for r, raw in zip(present, beats):
             t, attempt = bytes(raw).decode().split()
             when = abs(float(t)) if recent else float(t)
-            fresh[r.node] = when > 0 and now - when <= limit and int(attempt) == r.attempt
-        return [r is not None and fresh[r.node] for r in records]
+            fresh[r.node, r.attempt] = when > 0 and now - when <= limit and int(attempt) == r.attempt
+        return [r is not None and fresh[r.node, r.attempt] for r in records]
 
     def _dead_members(self, rnd: int) -> set[str]:
         """The members of sealed round ``rnd`` that have stopped heartbeating (the leader's slow path)."""
