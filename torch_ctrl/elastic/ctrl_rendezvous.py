@@ -904,8 +904,8 @@ class NativeRendezvousHandler(_base()):  # type: ignore[misc]
             present = self._call(self._store.check, [key])
             records.append(_Record.decode(bytes(self._call(self._store.get, key))) if present else None)
         log.warning(
-            "torch_ctrl: round %d of the ctrl rendezvous '%s' was closed to arrivals %.0fs ago by a node that has not "
-            "written its outcome (it died while sealing); node %s seals it",
+            "torch_ctrl: round %d of the ctrl rendezvous '%s' has been closed to arrivals for %.0fs or more by a node "
+            "that has not written its outcome (it died or stalled while sealing); node %s seals it",
             rnd, self.config.run_id, now - self._unsealed_since[1], self.node,
         )  # fmt: skip
         self._publish(rnd, prev_size, records, self._alive(records))
