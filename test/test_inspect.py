@@ -278,6 +278,61 @@ def _process_rank(port: int, rank: int, ops: list[str], ready: Any, done: Any) -
 
 
 @needs_list_keys
+@pytest.mark.timeout(90)
+def test_every_group_on_a_store_is_shown_and_prefix_narrows() -> None:
+    """Four groups on one server, each with a rank blocked in a barrier: one on the store
+    itself and three under PrefixStores. Every report shows all four (the CLI's too), whatever
+    order the server lists the keys in; ``prefix`` keeps only the groups under it."""
+    stores = Stores("tcp")
+    prefixes = ["", "jobA/", "jobB/", "jobC/"]
+    colls = [
+        StoreCollectives(dist.PrefixStore(p[:-1], stores.client(0)) if p else stores.client(0), 0, 2) for p in prefixes
+    ]
+    threads = [threading.Thread(target=block, args=(c, 0, "barrier"), daemon=True) for c in colls]
+    for t in threads:
+        t.start()
+    try:
+
+        def stuck(report: dict[str, Any]) -> dict[str, list[str]]:
+            return {g["prefix"]: [op["key"] for op in g["in_flight"]] for g in report["groups"]}
+
+        everyone = dict.fromkeys(prefixes, ["barrier"])
+
+        def all_stuck() -> dict[str, Any] | None:
+            report = torch_ctrl.inspect(stores.admin, interval=0)
+            return report if stuck(report) == everyone else None
+
+        report = poll(all_stuck, what="four groups blocked")
+        assert stuck(report) == everyone
+        assert stuck(torch_ctrl.inspect(stores.admin, interval=0, prefix="jobB/")) == {"jobB/": ["barrier"]}
+        assert set(stuck(torch_ctrl.inspect(stores.admin, interval=0, prefix="job"))) == {"jobA/", "jobB/", "jobC/"}
+        # The parser alone, on the keys in every order the server could list them.
+        from itertools import permutations
+
+        from torch_ctrl.inspection import _parse
+
+        names = sorted(stores.admin.list_keys())
+        for order in permutations(sorted({k.split("torch_ctrl/")[0] for k in names})):
+            listed = [k for p in order for k in names if k.split("torch_ctrl/")[0] == p]
+            assert {where for where, _ in _parse(listed)[0]} == set(prefixes), order
+        out = subprocess.run(
+            [sys.executable, "-m", "torch_ctrl", "inspect", f"{HOST}:{stores.port}", "--interval", "0"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        for p in ("jobA/", "jobB/", "jobC/"):
+            assert f"(prefix '{p}')" in out.stdout, out.stdout
+        assert out.stdout.count("barrier 'barrier'") == 4, out.stdout
+    finally:
+        for c in colls:
+            c.abort("test over")
+        for t in threads:
+            t.join(30)
+        for c in colls:
+            c.close()
+    assert not any(t.is_alive() for t in threads)
+
+
+@needs_list_keys
 @pytest.mark.timeout(120)
 def test_processes_stuck_in_every_collective() -> None:
     """The same ops as the threads test, each rank a spawned process."""

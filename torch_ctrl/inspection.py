@@ -165,13 +165,14 @@ def _parse(
                     if split[2] in (R.MASTER_ADDR, R.MASTER_PORT):
                         run["master"][(split[1], split[2])] = key
             continue
-        prefix, world, token, rest = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+        # the group's own prefix: ``prefix`` stays the filter for every later key
+        where, world, token, rest = m.group(1), int(m.group(2)), m.group(3), m.group(4)
         if not 1 <= world <= MAX_WORLD:
             continue  # no torch_ctrl group has this size: not its key
-        group = groups.get((prefix, world))
+        group = groups.get((where, world))
         if group is None:
-            group = groups[(prefix, world)] = _GroupKeys(prefix, world)
-        split = R.split_key(prefix)
+            group = groups[(where, world)] = _GroupKeys(where, world)
+        split = R.split_key(where)
         if split is not None and split[1] is not None:
             runs.setdefault(split[0], _new_run())["rounds"].add(split[1])
         if token == "_":
