@@ -278,8 +278,9 @@ def test_results_md_header_names_the_run() -> None:
     assert bench.machine()["torch_ctrl"] == torch_ctrl.__version__
 
 
-def test_rendezvous_bench_claims_only_the_targets_it_measured(tmp_path: Path) -> None:
-    # A run without N=512 and 2048 (or without the ctrl backend) measures no target: it must not say "met".
+def test_rendezvous_bench_prints_results_not_targets(tmp_path: Path) -> None:
+    # Targets belong in the docs: the tool prints and writes its figures, and fails (exit 1)
+    # only when a ctrl rendezvous did not complete.
     env = {**os.environ, "RES_OPTIONS": "timeout:1 attempts:1"}
     cmd = [sys.executable, "-m", "torch_ctrl", "bench", "rendezvous", "--nodes", "8", "--backends", "ctrl"]
     done = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=110, env=env)
@@ -287,12 +288,12 @@ def test_rendezvous_bench_claims_only_the_targets_it_measured(tmp_path: Path) ->
     md = (tmp_path / "rendezvous.md").read_text()
     assert md.startswith("# torch_ctrl rendezvous benchmark\n\n- command: `python -m torch_ctrl bench rendezvous "), md
     assert "- run: backends ctrl; N = 8; cap 120 s" in md, md
-    verdict = md.splitlines()[-1]
-    assert verdict.endswith("not measured (no ctrl run at N=512 or 2048)"), verdict
-    from torch_ctrl.bench_rendezvous import target_verdict
+    assert md.splitlines()[-1].startswith("| 8 | "), md
+    for text in (md, done.stdout):
+        assert "target" not in text.lower() and "MISSED" not in text, text
+    from torch_ctrl.bench_rendezvous import failures
 
-    ctrl = [dict(backend="ctrl", n=512, seconds=0.3)]
-    assert target_verdict(ctrl, []) == "met at N=512; not measured at N=2048"
-    assert target_verdict(ctrl + [dict(backend="ctrl", n=2048, seconds=1.3)], []) == "met at N=512, 2048"
-    assert target_verdict([dict(backend="c10d", n=512, seconds=None)], []).startswith("not measured")
-    assert target_verdict(ctrl, ["N=2048: None s > 10.0 s"]) == "missed: N=2048: None s > 10.0 s"
+    ok = dict(backend="ctrl", n=512, seconds=0.3, returned=512, errors=[])
+    assert failures([ok, dict(backend="c10d", n=512, seconds=None, returned=0, errors=[])]) == []
+    late = dict(backend="ctrl", n=2048, seconds=None, returned=2000, errors=["RendezvousTimeoutError"])
+    assert failures([ok, late]) == ["ctrl N=2048: 2000/2048 returned (RendezvousTimeoutError)"]
