@@ -146,6 +146,30 @@ def test_timeout_names_missing_ranks_on_every_rank_through_the_decoder() -> None
         assert "\n" not in msg
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("kind", "rank_given"), [(k, True) for k in ADAPTER_KINDS] + [("tcp", False)])
+def test_a_timed_out_barrier_leaves_no_keys_and_its_prefix_works_again(kind: str, rank_given: bool) -> None:
+    """Ranks 0 and 1 of 3 time out (rank 2 never comes): every rank raises, and the last one
+    to time out deletes the barrier's keys. Then all three use the same prefix: the barrier
+    holds (rank 2 does not pass alone on the old count) and again leaves no keys."""
+    stores, n = Stores(kind), 3
+    before = _keys(stores)
+    clients = [stores.client(r) for r in range(n)]
+
+    def enter(r: int, seconds: float) -> str:
+        try:
+            store_util.barrier(clients[r], n, "reuse", seconds, rank=r if rank_given else None)
+        except dist.DistStoreError as exc:
+            return str(exc)
+        return "ok"
+
+    msgs = run_ranks(2, lambda r: enter(r, 3.0))
+    assert all("Timed out waiting on barrier" in m for m in msgs), msgs
+    assert _keys(stores) == before
+    assert run_ranks(n, lambda r: enter(r, 30.0)) == ["ok"] * n
+    assert _keys(stores) == before
+
+
 def test_rankless_timeout_reports_arrivals() -> None:
     stores = Stores("tcp")
     with pytest.raises(dist.DistStoreError, match=r"key prefix: lone \(world_size=3, arrived=1"):

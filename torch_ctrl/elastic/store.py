@@ -7,7 +7,9 @@ Same functions, signatures and return values as torch's module; what changes:
   second tracing round;
 * every key written under ``key_prefix`` is deleted once all ranks are done (where the
   store can delete keys: not torch's EtcdStore, see ``docs/protocol.md``), so a
-  prefix can be reused and the store does not grow;
+  prefix can be reused and the store does not grow; a :func:`barrier`'s also once every
+  rank that came has timed out (a timed-out :func:`synchronize` or :func:`get_all` leaves
+  its keys, as any timed-out op does);
 * only :func:`store_timeout` changes a store's timeout (and restores it even when
   the block raises); the collectives pass their timeout per call.
 
@@ -25,6 +27,7 @@ original function, so they behave exactly as they do without torch_ctrl.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -32,16 +35,21 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .. import capabilities, lanes
+from .. import keys as K
 from ..base import check_init, to_bytes, to_seconds
 from ..errors import CollectiveTimeoutError
 from ..loader import StoreCollectives
 
 DistStoreError = dist.DistStoreError
+log = logging.getLogger(__name__)
 
 __all__ = ["store_timeout", "get_all", "synchronize", "barrier"]
 
 # Counter that hands out arrival indices to rank-less barrier callers.
 _ARRIVALS = "/torch_ctrl_arrivals"
+# Counter of the callers whose barrier timed out (see _clear_timed_out).
+_TIMED_OUT = "/torch_ctrl_timed_out"
 
 
 @contextmanager
@@ -168,7 +176,10 @@ def barrier(
     a counter (one more ``add``) and a timeout reports how many arrived.
     Keys are those of a barrier keyed ``{key_prefix}/barrier`` (and, without ``rank``, the
     counter ``{key_prefix}/torch_ctrl_arrivals``); all are deleted after the barrier, so
-    the prefix can be used again once every rank has left.
+    the prefix can be used again once every rank has left. After a timeout too: each
+    timed-out caller counts itself on ``{key_prefix}/torch_ctrl_timed_out``, and the one that
+    finds every arrival counted deletes the keys (a caller arriving after that starts a new
+    barrier, and times out alone).
 
     Raises:
         torch.distributed.DistStoreError: the barrier timed out (on every rank, naming the
@@ -201,7 +212,38 @@ def barrier(
         with _group(store, me, world_size) as coll:
             coll.barrier(key=f"{key_prefix}/barrier", timeout=seconds)
     except CollectiveTimeoutError as exc:
-        raise _barrier_timeout(exc, key_prefix, rank, rank_tracing_decoder, seconds) from None
+        error = _barrier_timeout(exc, key_prefix, rank, rank_tracing_decoder, seconds)
+        _clear_timed_out(store, world_size, key_prefix)
+        raise error from None
+
+
+def _clear_timed_out(store: dist.Store, world_size: int, key_prefix: str) -> None:
+    """Count this timed-out caller out of barrier ``key_prefix``; the caller that brings the
+    count to the number of arrivals deletes the barrier's keys, so that the prefix can be used
+    again (torch's barrier leaves them, and can be used once per prefix).
+
+    A caller that arrives before that count is read is an arrival the count has not reached:
+    the keys stay until it times out too (or completes the barrier). Cost: one ``add`` and one
+    read per timed-out caller, and up to 7 deletes by the last. Stores that cannot delete keys
+    (see ``docs/protocol.md``) keep them, as after any op there. Never raises: the timeout is
+    the error to report."""
+    base = lanes.base_store(store)
+    if not lanes.store_api(store)[1] or (base is not store and lanes.python_methods(store) is not None):
+        return  # no deletes, or a PrefixStore over a Python store (it cannot pass deletes on)
+    prefix = K.op_prefix(world_size, f"{key_prefix}/barrier", 0)
+    tcp_path = isinstance(base, dist.TCPStore) and capabilities.tcpstore_path(base is not store)
+    counter = K.field(prefix, K.counter(tcp_path))
+    try:
+        out = int(store.add(key_prefix + _TIMED_OUT, 1))
+        arrived = lanes.peek(store, counter)
+        if arrived is not None and out < K.parse_counter(arrived):
+            return  # a caller still waits: the last to time out deletes
+        for name in (K.DONE, K.EXIT, K.NAMES):
+            store.delete_key(K.field(prefix, name))
+        for key in (key_prefix + _ARRIVALS, key_prefix + _TIMED_OUT, counter):
+            store.delete_key(key)
+    except Exception as exc:  # noqa: BLE001 - the keys stay, as they would without this
+        log.debug("barrier %r: keys left after the timeout (%s: %s)", key_prefix, type(exc).__name__, exc)
 
 
 def _barrier_timeout(
