@@ -699,6 +699,7 @@ def test_bad_input_is_one_line_before_anything_is_written() -> None:
         (params(last_call_timeout="-1"), "last_call_timeout='-1' must be a positive number"),
         (params(keep_alive_interval="x"), "keep_alive_interval='x'"),
         (params(keep_alive_max_attempt="many"), "keep_alive_max_attempt='many' is not an integer"),
+        (params(store_type="file"), "store_type='file' is not supported (only 'tcp')"),
     ]
     for p, text in cases:
         with pytest.raises(ValueError) as err:
