@@ -803,6 +803,32 @@ def test_a_python_store_error_raised_near_a_socket_is_still_a_store_error_in_bot
     assert texts[0] == texts[1] == f"{method} 'k': store error: ValueError: bad value"
 
 
+class _CasFails(DictStore):
+    """Works until told otherwise; then its compare_set (what abort() writes the notice with)
+    raises a two-line error."""
+
+    broken = False
+
+    def compare_set(self, key: str, expected: object, desired: object) -> bytes:
+        if self.broken:
+            raise ValueError("cas exploded\nline two")
+        return super().compare_set(key, expected, desired)
+
+
+@pytest.mark.skipif(CppStoreCollectives is None, reason="C++ extension not built")
+def test_abort_on_a_failing_store_is_one_line_in_both() -> None:
+    texts = []
+    for cls in (CppStoreCollectives, torch_ctrl.PyStoreCollectives):
+        store = _CasFails()
+        coll = cls(store, 0, 2)
+        store.broken = True
+        with pytest.raises(torch_ctrl.CollectiveError) as info:
+            coll.abort("why")
+        texts.append(str(info.value))
+        coll.close(0.5)
+    assert texts[0] == texts[1] == "abort: store error: ValueError: cas exploded"
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("method, kwargs", FAILING_CALLS[:3])
 def test_a_send_to_a_server_that_died_names_the_op(impl: str, method: str, kwargs: dict) -> None:

@@ -20,7 +20,7 @@ from typing import NoReturn, Union
 import torch.distributed as dist
 
 from . import lanes
-from .errors import UNREACHABLE, CollectiveAbortedError, StoreUnreachableError, init_error, one_line
+from .errors import UNREACHABLE, CollectiveAbortedError, CollectiveError, StoreUnreachableError, init_error, one_line
 from .lanes import BASIC, base_store, check_server, connection_lost, lost_text, python_methods, server_of
 
 Data = Union[bytes, bytearray, memoryview, str]
@@ -543,13 +543,19 @@ def unreachable(exc: BaseException, store: dist.Store, rank: int, world_size: in
 
 
 def abort_unreachable(exc: BaseException, store: dist.Store) -> BaseException:
-    """``abort()`` could not reach the store: a lost connection or a server that is gone
-    becomes one line naming the server, ``abort: store unreachable: ...`` (a
-    StoreUnreachableError: a DistStoreError and a DistNetworkError); anything else stays as it
-    is. Both twins raise this."""
-    if isinstance(exc, Exception) and connection_lost(exc):
+    """``abort()`` failed in a store call: a lost connection or a server that is gone becomes
+    one line naming the server, ``abort: store unreachable: ...`` (a StoreUnreachableError: a
+    DistStoreError and a DistNetworkError); any other store error one line too,
+    ``abort: store error: ...`` (a CollectiveError; a Python-written store's exception with its
+    type, as every op words it). Both twins raise this."""
+    if not isinstance(exc, Exception) or isinstance(exc, CollectiveError):
+        return exc  # KeyboardInterrupt and the like; or already one line saying what happened
+    if connection_lost(exc):
         return StoreUnreachableError(f"abort: {UNREACHABLE}{lost_text(server_of(store), one_line(str(exc)))}")
-    return exc
+    text = one_line(str(exc))
+    if not isinstance(exc, dist.DistError):
+        text = f"{type(exc).__name__}: {text}"
+    return CollectiveError(f"abort: store error: {text}")
 
 
 def check_reason(reason: object) -> str:
