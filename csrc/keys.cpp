@@ -250,6 +250,10 @@ std::optional<int> parse_reader(const std::string& value, int world_size) {
   return static_cast<int>(*rank);
 }
 
+std::optional<int64_t> counter_value(const std::string& value) {
+  return int64_of(value.data(), value.data() + value.size());
+}
+
 int64_t parse_counter(const std::string& value) {
   auto n = int64_of(value.data(), value.data() + value.size());
   if (!n) {

@@ -108,6 +108,8 @@ int notice_rank(const std::string& text);
 std::optional<int> parse_reader(const std::string& value, int world_size);
 // A counter written by add(): a decimal int64.
 int64_t parse_counter(const std::string& value);
+// A counter's value, or nullopt when it is not a decimal int64 (what parse_counter refuses).
+std::optional<int64_t> counter_value(const std::string& value);
 // What a rank's first heartbeat adds to its counter: one kBeat and its interval (ms).
 int64_t first_beat(double interval);
 // The interval (seconds) a heartbeat counter's rank declared; nullopt when the value is not a

@@ -685,10 +685,15 @@ void StoreCollectives::failure(const Op& op, const std::exception& exc) {
     raise_abort(op, *notice);
   }
   std::string text = error_text(exc);
+  bool timed_out = op.left() <= 0.01 || lower(text).find("timeout") != std::string::npos;
+  if (!timed_out && (op.name == "barrier" || op.name == "all_gather" || op.name == "all_sum")) {
+    if (auto bad = bad_counter(op)) {  // the store refused to add to it (a TCPStore server drops the connection)
+      throw CollectiveError(op.name, op.label, *bad + ": " + K::kBadValue);
+    }
+  }
   if (connection_lost(exc)) {
     throw CollectiveError(op.name, op.label, kUnreachable + lost_text(lanes_->server(), text));
   }
-  bool timed_out = op.left() <= 0.01 || lower(text).find("timeout") != std::string::npos;
   if (!timed_out) {
     throw CollectiveError(op.name, op.label, "store error: " + text);
   }
@@ -707,6 +712,27 @@ void StoreCollectives::failure(const Op& op, const std::exception& exc) {
     detail = "(" + error_text(diag) + ")";
   }
   throw CollectiveTimeout(op.name, op.label, op.seconds, world_, std::nullopt, {}, detail);
+}
+
+std::optional<std::string> StoreCollectives::bad_counter(const Op& op) {
+  // After a store error in a counting op: the first of its counters that holds something other
+  // than a decimal int64 (the store cannot add to it). One read per counter on a new connection
+  // (the failed one may be gone); nullopt when that fails too.
+  std::vector<std::string> keys{op.key(K::counter(lanes_->native_barrier()))};
+  if (op.name == "all_sum" && !lanes_->native_barrier()) {
+    keys.push_back(op.key(K::kSum));
+  }
+  try {
+    LaneGuard lane(*lanes_, lanes_->acquire(kDiagnosticsConnect));
+    for (const auto& key : keys) {
+      auto value = lane->peek(key);
+      if (value && !K::counter_value(*value)) {
+        return key;
+      }
+    }
+  } catch (const std::exception&) {  // the store error is the one to report then
+  }
+  return std::nullopt;
 }
 
 void StoreCollectives::timeout(const Op& op, Lane& lane) {

@@ -126,6 +126,7 @@ class StoreCollectives {
   [[noreturn]] void raise_abort(const Op& op, const std::string& notice);
 
   [[noreturn]] void failure(const Op& op, const std::exception& exc);
+  std::optional<std::string> bad_counter(const Op& op);
   [[noreturn]] void timeout(const Op& op, Lane& lane);
   // The store's key names (nullopt where it cannot list them), read at most once per timeout.
   using Listing = std::function<const std::optional<std::vector<std::string>>&()>;

@@ -194,6 +194,47 @@ def test_hostile_sum_is_one_line_error_naming_the_key(impl: str, value: bytes) -
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+@pytest.mark.parametrize("kind", ["tcp", "tcp_nolibuv", "prefix", "hash", "file"])
+@pytest.mark.parametrize("op", ["barrier", "all_gather", "all_sum"])
+def test_a_counter_that_is_not_a_number_is_named(impl: str, kind: str, op: str) -> None:
+    """Garbage in an op's arrival counter: the store cannot add to it (TCPStore's server drops
+    the connection, the other stores raise "stoll"). Every rank says which key holds what
+    torch_ctrl could not have written, not "store unreachable" or a bare store error; the
+    server stays up, and the next op works."""
+    from torch_ctrl import capabilities
+
+    stores = Stores(kind)
+    prefix = K.op_prefix(2, "junk", -1)
+    native = kind.startswith("tcp") or kind == "prefix"
+    counter = K.counter(native and capabilities.tcpstore_path(kind == "prefix"))
+    stores.client(9).set(f"{prefix}/{counter}", b"abc")
+    colls = [make(impl, stores.client(r), r, 2) for r in range(2)]
+
+    def body(rank: int) -> str:
+        coll = colls[rank]
+        try:
+            if op == "barrier":
+                coll.barrier("junk", timeout=20)
+            elif op == "all_gather":
+                coll.all_gather("junk", b"x", 20)
+            else:
+                coll.all_sum("junk", 1, 20)
+            return "returned"
+        except CollectiveError as exc:
+            return str(exc)
+
+    texts = run_ranks(2, body)
+    if op == "all_gather" and counter == K.ARRIVE:
+        assert texts == ["returned"] * 2  # the generic all_gather counts nothing: slots only
+    else:
+        assert texts == [f"{op} 'junk': {prefix}/{counter}: {K.BAD_VALUE}"] * 2, texts
+    assert run_ranks(2, lambda r: colls[r].barrier("next", timeout=20)) == [None, None]
+    for c in colls:
+        c.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
 def test_forged_duplicate_frame_is_a_collision_error(impl: str) -> None:
     """A second frame of rank 0 in an all_gather's log (another group on the same keys, or a
     forger) is an error naming the collision in both twins, never silently returned."""

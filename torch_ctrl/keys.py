@@ -254,6 +254,12 @@ def join_chunks(parts: list[bytes]) -> bytes:
     return b"".join(parts)
 
 
+def counter_value(value: bytes) -> int | None:
+    """A counter's value, or None when it is not a decimal int64 (what :func:`parse_counter`
+    refuses)."""
+    return _int64(value)
+
+
 def parse_counter(value: bytes) -> int:
     """A counter written by the store's ``add``: a decimal int64."""
     number = _int64(value)

@@ -58,6 +58,8 @@ from .watcher import Watcher, leaving
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# The ops that count arrivals with add: a store error there may be a counter it cannot add to.
+COUNTED = ("barrier", "all_gather", "all_sum")
 DIAGNOSTICS_CONNECT = 2.0  # seconds a new connection may take to name the missing ranks
 # An op's new connection gets at least this long, even with (almost) no time left: a timeout
 # of 0 still reads a result that is there, and a connection slower than a millisecond is no
@@ -640,9 +642,14 @@ class PyStoreCollectives(ControlCollectives):
         if self._watcher.notice is not None:
             return self._aborted(op, self._watcher.notice)
         text = self._store_text(exc)
+        in_time = time.monotonic() < op.deadline - 0.01 and "timeout" not in text.lower()
+        if in_time and op.name in COUNTED:
+            bad = self._bad_counter(op)
+            if bad is not None:  # the store refused to add to it (a TCPStore server drops the connection)
+                return collective_error(op.name, op.label, f"{bad}: {K.BAD_VALUE}")
         if connection_lost(exc):
             return collective_error(op.name, op.label, UNREACHABLE + lost_text(self._lanes.server, text))
-        if time.monotonic() < op.deadline - 0.01 and "timeout" not in text.lower():
+        if in_time:
             return collective_error(op.name, op.label, f"store error: {text}")
         if op.name.endswith("_send"):  # a send waits for nobody: nothing to count or name
             detail = f"the store did not take the value ({text})"
@@ -653,6 +660,23 @@ class PyStoreCollectives(ControlCollectives):
         except Exception as diag_exc:  # noqa: BLE001 - diagnostics must not hide the timeout
             detail = f"({self._store_text(diag_exc)})"
             return timeout_error(op.name, op.label, op.seconds, self._world, detail=detail)
+
+    def _bad_counter(self, op: _Op) -> str | None:
+        """After a store error in a counting op: the first of its counters that holds something
+        other than a decimal int64 (the store cannot add to it), or None. One read per counter
+        on a new connection (the failed one may be gone); None when that fails too."""
+        keys = [op.key(K.counter(self._lanes.native_barrier))]
+        if op.name == "all_sum" and not self._lanes.native_barrier:
+            keys.append(op.key(K.SUM))
+        try:
+            with Borrowed(self._lanes, self._lanes.acquire(DIAGNOSTICS_CONNECT)) as lane:
+                for key in keys:
+                    value = lane.peek(key)
+                    if value is not None and K.counter_value(value) is None:
+                        return key
+        except Exception:  # noqa: BLE001 - the store error is the one to report then
+            pass
+        return None
 
     def _store_text(self, exc: BaseException) -> str:
         """A store call's error as one line. An exception of a Python-written store carries its
