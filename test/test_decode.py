@@ -226,6 +226,11 @@ def test_a_counter_that_is_not_a_number_is_named(impl: str, kind: str, op: str) 
     texts = run_ranks(2, body)
     if op == "all_gather" and counter == K.ARRIVE:
         assert texts == ["returned"] * 2  # the generic all_gather counts nothing: slots only
+    elif kind == "prefix" and impl == "python" and not capabilities.CLONE and not capabilities.LIST_KEYS:
+        # torch 2.6-2.7: the Python twin shares the PrefixStore's one client (it cannot open
+        # another under the chain, docs/protocol.md), and the server has just dropped it
+        assert all(t.startswith(f"{op} 'junk': store unreachable: ") for t in texts), texts
+        return
     else:
         assert texts == [f"{op} 'junk': {prefix}/{counter}: {K.BAD_VALUE}"] * 2, texts
     assert run_ranks(2, lambda r: colls[r].barrier("next", timeout=20)) == [None, None]
