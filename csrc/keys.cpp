@@ -255,7 +255,7 @@ std::optional<int64_t> counter_value(const std::string& value) {
 }
 
 int64_t parse_counter(const std::string& value) {
-  auto n = int64_of(value.data(), value.data() + value.size());
+  auto n = counter_value(value);
   if (!n) {
     throw DecodeError("bad counter");
   }

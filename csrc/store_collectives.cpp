@@ -723,7 +723,8 @@ std::optional<std::string> StoreCollectives::bad_counter(const Op& op) {
     keys.push_back(op.key(K::kSum));
   }
   try {
-    LaneGuard lane(*lanes_, lanes_->acquire(kDiagnosticsConnect));
+    // within the op's deadline: a host that went down must not hold the error past it
+    LaneGuard lane(*lanes_, lanes_->acquire(std::min(kDiagnosticsConnect, op.left())));
     for (const auto& key : keys) {
       auto value = lane->peek(key);
       if (value && !K::counter_value(*value)) {

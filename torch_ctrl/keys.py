@@ -262,7 +262,7 @@ def counter_value(value: bytes) -> int | None:
 
 def parse_counter(value: bytes) -> int:
     """A counter written by the store's ``add``: a decimal int64."""
-    number = _int64(value)
+    number = counter_value(value)
     if number is None:
         raise DecodeError("bad counter")
     return number

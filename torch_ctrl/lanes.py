@@ -92,6 +92,15 @@ def base_store(store: dist.Store) -> dist.Store:
 BASIC = ("set", "get", "add", "check", "wait")
 
 
+def takes_tcpstore_path(store: dist.Store) -> bool:
+    """Whether ops over ``store`` take the TCPStore path: a TCPStore under any number of
+    PrefixStores, where this torch's TCPStore has a server-side barrier (and, under
+    PrefixStores, list_keys: Python learns their prefix with it). Both implementations apply
+    this same rule to a given store (csrc/lanes.cpp)."""
+    base = base_store(store)
+    return isinstance(base, dist.TCPStore) and capabilities.tcpstore_path(store is not base)
+
+
 def python_methods(store: dist.Store) -> frozenset[str] | None:
     """The store methods that the Python-written store under any PrefixStores defines, or
     ``None`` for torch's own stores (and Python subclasses of them), which have them all.
@@ -842,11 +851,8 @@ class Lanes:
         # An in-process store (a HashStore under any PrefixStores): its calls never wait on I/O,
         # so an op's cleanup costs less made by the caller than handed to the watcher thread.
         self.local = isinstance(base, dist.HashStore)
-        # The TCPStore path: a TCPStore under any number of PrefixStores, where this torch's
-        # TCPStore has a server-side barrier (and, under PrefixStores, list_keys: Python learns
-        # their prefix with it). Both implementations apply this same rule to a given store.
         chain = store is not base
-        self.native_barrier = tcp and capabilities.tcpstore_path(chain)
+        self.native_barrier = takes_tcpstore_path(store)
         try:
             self.extended = bool(store.has_extended_api())
         except Exception:  # noqa: BLE001 - Python stores may not implement it

@@ -669,7 +669,8 @@ class PyStoreCollectives(ControlCollectives):
         if op.name == "all_sum" and not self._lanes.native_barrier:
             keys.append(op.key(K.SUM))
         try:
-            with Borrowed(self._lanes, self._lanes.acquire(DIAGNOSTICS_CONNECT)) as lane:
+            # within the op's deadline: a host that went down must not hold the error past it
+            with Borrowed(self._lanes, self._lanes.acquire(min(DIAGNOSTICS_CONNECT, op.left()))) as lane:
                 for key in keys:
                     value = lane.peek(key)
                     if value is not None and K.counter_value(value) is None:

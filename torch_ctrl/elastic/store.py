@@ -35,8 +35,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import capabilities, lanes
 from .. import keys as K
+from .. import lanes
 from ..base import check_init, to_bytes, to_seconds
 from ..errors import CollectiveTimeoutError
 from ..loader import StoreCollectives
@@ -224,15 +224,14 @@ def _clear_timed_out(store: dist.Store, world_size: int, key_prefix: str) -> Non
 
     A caller that arrives before that count is read is an arrival the count has not reached:
     the keys stay until it times out too (or completes the barrier). Cost: one ``add`` and one
-    read per timed-out caller, and up to 7 deletes by the last. Stores that cannot delete keys
+    read per timed-out caller, and 6 deletes by the last. Stores that cannot delete keys
     (see ``docs/protocol.md``) keep them, as after any op there. Never raises: the timeout is
     the error to report."""
     base = lanes.base_store(store)
     if not lanes.store_api(store)[1] or (base is not store and lanes.python_methods(store) is not None):
         return  # no deletes, or a PrefixStore over a Python store (it cannot pass deletes on)
     prefix = K.op_prefix(world_size, f"{key_prefix}/barrier", 0)
-    tcp_path = isinstance(base, dist.TCPStore) and capabilities.tcpstore_path(base is not store)
-    counter = K.field(prefix, K.counter(tcp_path))
+    counter = K.field(prefix, K.counter(lanes.takes_tcpstore_path(store)))
     try:
         out = int(store.add(key_prefix + _TIMED_OUT, 1))
         arrived = lanes.peek(store, counter)
