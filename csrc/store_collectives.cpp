@@ -591,19 +591,25 @@ std::pair<std::string, std::vector<std::string>> StoreCollectives::untag(
     for (size_t i = 0, n = decode(op, key, [&] { return K::chunk_count(value); }); i < n; ++i) {
       names.push_back(K::chunk_key(key, i));
     }
+    // Chunks are written before the value that names them: one missing now never comes, and
+    // the value was not written by torch_ctrl. One check says so at once, where waiting for the
+    // chunks would hold the caller until its deadline (twin: _untag).
     // One chunk per read: a reply of several 4 MiB chunks breaks the connection on some torch
     // releases' TCPStore servers (torch 2.7: "Broken pipe" at 16 MiB).
     std::vector<std::string> parts;
+    bool there = false;
     try {
-      for (const auto& name : names) {
-        parts.push_back(lane.multi_get({name}, std::max(op.left(), 1.0)).at(0));
+      there = lane.store->check(names);
+      for (size_t i = 0; there && i < names.size(); ++i) {
+        parts.push_back(lane.multi_get({names[i]}, std::max(op.left(), 1.0)).at(0));
       }
     } catch (const std::exception& exc) {
       if (connection_lost(exc) || watcher_->notice()) {
         failure(op, exc);
       }
-      // Chunks are written before the value that names them: one that never comes was not
-      // written by torch_ctrl (twin: _untag).
+      there = false;
+    }
+    if (!there) {
       throw CollectiveError(op.name, op.label, key + ": " + K::kBadValue);
     }
     return {decode(op, key, [&] { return K::join_chunks(parts); }), names};

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 from helpers import IMPLS, Stores, make, run_ranks
@@ -340,21 +341,24 @@ def test_a_forged_sum_entry_fails_both_twins_alike(forged: bytes) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
-@pytest.mark.parametrize("kind", ["tcp", "prefix", "hash"])
+@pytest.mark.parametrize("kind", ["tcp", "prefix", "hash", "file"])
 @pytest.mark.parametrize("op", ["broadcast_recv", "scatter_recv"])
 def test_a_chunked_value_whose_chunks_never_come_is_one_line_naming_the_key(impl: str, kind: str, op: str) -> None:
     """A well-formed chunk count (``C3``) with no chunks behind it: torch_ctrl writes chunks
-    before the value that names them, so this was not written by it. The reader waits for the
-    chunks until its deadline, then raises one CollectiveError line naming the key (not torch's
-    own wait-timeout text)."""
+    before the value that names them, so this was not written by it, and the chunks will never
+    come. The reader raises one CollectiveError line naming the key at once (not at its
+    deadline, and not torch's own wait-timeout text)."""
     stores = Stores(kind)
     coll = make(impl, stores.client(1), 1, 2)
     field = "d" if op == "broadcast_recv" else "r1"
     key = f"{K.op_prefix(2, 'nochunks', -1)}/{field}"
     stores.client(0).set(key, b"C3")
+    started = time.monotonic()
     with pytest.raises(CollectiveError) as info:
-        getattr(coll, op)("nochunks", timeout=1.5)
+        getattr(coll, op)("nochunks", timeout=30)
+    took = time.monotonic() - started
     coll.close()
+    assert took < 5, f"{took:.1f} s: the reader waited for chunks that were never written"
     text = str(info.value)
     assert type(info.value) is CollectiveError and "\n" not in text, text
     assert text.endswith(f"{key}: {K.BAD_VALUE}"), text

@@ -552,16 +552,20 @@ class PyStoreCollectives(ControlCollectives):
             return value[1:], []
         if value[:1] == K.TAG_CHUNKS:
             names = [K.chunk_key(key, i) for i in range(self._decode(op, key, K.chunk_count, value))]
+            # Chunks are written before the value that names them: one missing now never comes,
+            # and the value was not written by torch_ctrl. One check says so at once, where
+            # waiting for the chunks would hold the caller until its deadline (twin: untag).
             # One chunk per read: a reply of several 4 MiB chunks breaks the connection on some
             # torch releases' TCPStore servers (torch 2.7: "Broken pipe" at 16 MiB).
             try:
-                parts = [lane.multi_get([name], max(op.left(), 1.0))[0] for name in names]
+                there = bool(lane.store.check(names))
+                parts = [lane.multi_get([name], max(op.left(), 1.0))[0] for name in names] if there else []
             except Exception as exc:
                 if connection_lost(exc) or self._watcher.notice is not None:
                     raise self._failure(op, exc) from None
-                # Chunks are written before the value that names them: one that never comes
-                # was not written by torch_ctrl (twin: untag).
-                raise collective_error(op.name, op.label, f"{key}: {K.BAD_VALUE}") from None
+                there = False
+            if not there:
+                raise collective_error(op.name, op.label, f"{key}: {K.BAD_VALUE}")
             return self._decode(op, key, K.join_chunks, parts), names
         if value[:1] == K.TAG_ABORT:
             self._raise_abort(op, value[1:])
