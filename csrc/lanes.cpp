@@ -227,7 +227,11 @@ c10::intrusive_ptr<c10d::Store> tcp_client(c10d::TCPStore& tcp, double seconds) 
     opts.timeout = millis(seconds); // connecting gives up then; the lane sets its own later
   }
   opts.useLibUV = tcp.isLibUvBackend();
-  auto client = c10::make_intrusive<c10d::TCPStore>(tcp.getHost(), opts);
+  auto client = reaper::opened(
+      [&] { return c10::make_intrusive<c10d::TCPStore>(tcp.getHost(), opts); },
+      tcp.getHost() + ":" + std::to_string(opts.port),
+      opts.port,
+      std::chrono::duration<double>(opts.timeout).count());
   client->setTimeout(tcp.getTimeout());
   return client;
 }
@@ -629,7 +633,9 @@ void Lane::reconnect(double connect_timeout) {
   // armed that to kQuietWait: a server busy for that long is not gone.
   base_store(store)->setTimeout(millis(connect_timeout));
   Connecting connecting;
+  reaper::take_opened();
   store = new_client(store, connect_timeout, nullptr);
+  socket = reaper::take_opened();  // a Bound already made keeps the old one
   base.reset();
   timeout = -1.0;
 }
@@ -751,7 +757,9 @@ std::unique_ptr<Lane> Lanes::open(double connect_timeout, const std::function<bo
     lane->store = store_;
   } else if (tcp_ || !compat::kClone) {
     Connecting connecting;
+    reaper::take_opened();
     lane->store = new_client(store_, connect_timeout, stop);
+    lane->socket = reaper::take_opened();
   } else {
     Connecting connecting;
     lane->store = compat::clone(*store_);

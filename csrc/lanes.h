@@ -4,6 +4,8 @@
 // thread safe, and their blocking reads are wait(keys, timeout) + read.
 #pragma once
 
+#include "reaper.h"
+
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <functional>
@@ -69,6 +71,7 @@ struct Lane {
   // under them (PrefixStore does not forward barrier(), so it is called there, with the full key).
   std::string prefix;
   c10::intrusive_ptr<c10d::Store> base;
+  std::optional<reaper::Socket> socket;  // a TCPStore connection of its own (see reaper.h)
 
   void set(const std::string& key, const std::string& value);
   int64_t add(const std::string& key, int64_t value);
@@ -172,7 +175,16 @@ class LaneGuard {
  public:
   explicit LaneGuard(Lanes& lanes) : lanes_(lanes), lane_(lanes.acquire()) {}
   LaneGuard(Lanes& lanes, std::unique_ptr<Lane> lane) : lanes_(lanes), lane_(std::move(lane)) {}
+  // `deadline`: the lane's connection is shut down if the guard is still alive
+  // reaper::kGrace seconds later (a server that stopped answering; twin of Borrowed).
+  LaneGuard(Lanes& lanes, std::unique_ptr<Lane> lane, std::chrono::steady_clock::time_point deadline)
+      : lanes_(lanes), lane_(std::move(lane)) {
+    if (lane_->socket) {
+      bound_ = std::make_unique<reaper::Bound>(lane_->socket, deadline);
+    }
+  }
   ~LaneGuard() {
+    bound_.reset();  // before the lane can go to another caller
     if (std::uncaught_exceptions() == 0) {
       lanes_.release(std::move(lane_));
     }
@@ -183,6 +195,7 @@ class LaneGuard {
  private:
   Lanes& lanes_;
   std::unique_ptr<Lane> lane_;
+  std::unique_ptr<reaper::Bound> bound_;
 };
 
 } // namespace torch_ctrl

@@ -122,8 +122,18 @@ void StoreCollectives::abort(const std::string& reason) {
   std::string mine = std::to_string(rank_) + ":" + reason;
   std::string stored;
   {
-    LaneGuard lane(*lanes_);
-    stored = lane->claim(watcher_->abort_key(), mine);
+    auto wait = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+        std::chrono::duration<double>(reaper::kAbortWait));
+    // A new connection is bounded as long (see reaper::opened).
+    LaneGuard lane(*lanes_, lanes_->acquire(reaper::kAbortWait), std::chrono::steady_clock::now() + wait);
+    try {
+      stored = lane->claim(watcher_->abort_key(), mine);
+    } catch (const std::exception&) {
+      if (reaper::fired()) {  // twin: StoreCollectives.abort
+        throw c10::DistNetworkError(reaper::no_answer(lanes_->server(), reaper::kAbortWait + reaper::kGrace));
+      }
+      throw;
+    }
   }
   watcher_->aborted(stored);
 }
@@ -156,7 +166,7 @@ void StoreCollectives::barrier(const Key& key, double timeout, bool block) {
   if (world_ == 1) {
     return;
   }
-  LaneGuard lane(*lanes_, open_lane(op));
+  LaneGuard lane(*lanes_, open_lane(op), op.deadline);
   if (block) {
     if (lane->native_barrier) {
       check_counter(op, meet(op, *lane));
@@ -199,7 +209,7 @@ std::string StoreCollectives::broadcast_recv(const Key& key, double timeout) {
   Op op = begin("broadcast_recv", key, timeout);
   std::pair<std::string, std::vector<std::string>> got;
   {
-    LaneGuard lane(*lanes_, open_lane(op));
+    LaneGuard lane(*lanes_, open_lane(op), op.deadline);
     got = read(op, *lane, op.key(K::kDone));
   }
   exit_later(op, world_ - 1, {K::kDone}, std::move(got.second));
@@ -221,7 +231,7 @@ std::vector<std::string> StoreCollectives::gather_recv(const Key& key, const std
   if (!slots->empty()) {
     std::vector<std::string> chunks;
     {
-      LaneGuard lane(*lanes_, open_lane(op));
+      LaneGuard lane(*lanes_, open_lane(op), op.deadline);
       std::tie(values, chunks) = read_many(op, *lane, slots);
     }
     chunks.insert(chunks.end(), slots->begin(), slots->end());
@@ -253,7 +263,7 @@ std::string StoreCollectives::scatter_recv(const Key& key, double timeout) {
   std::string slot = K::rank_slot(op.prefix, rank_);
   std::pair<std::string, std::vector<std::string>> got;
   {
-    LaneGuard lane(*lanes_, open_lane(op));
+    LaneGuard lane(*lanes_, open_lane(op), op.deadline);
     got = read(op, *lane, slot);
   }
   got.second.push_back(slot);
@@ -350,7 +360,7 @@ int64_t StoreCollectives::sum_counted(const Op& op, int64_t value) {
   std::string total_key = op.key(K::kSum);
   std::string done;
   {
-    LaneGuard lane(*lanes_, open_lane(op));
+    LaneGuard lane(*lanes_, open_lane(op), op.deadline);
     try {
       lane->add(total_key, value);
     } catch (const std::exception& exc) {
@@ -447,7 +457,7 @@ Gathered StoreCollectives::exchange(const Op& op, const std::string& payload) {
   int found = 0;
   std::vector<std::string> garbage;
   {
-    LaneGuard lane(*lanes_, open_lane(op));
+    LaneGuard lane(*lanes_, open_lane(op), op.deadline);
     lane->append(log_key, K::frame(rank_, stage(*lane, K::frame_key(log_key, rank_), payload)));
     arrive(op, *lane);
     const std::string& log = out.storage.emplace_back(lane->peek(log_key).value_or(""));
@@ -491,7 +501,7 @@ Gathered StoreCollectives::exchange_slots(const Op& op, const std::string& paylo
   Gathered out;
   std::vector<std::string> chunks;
   {
-    LaneGuard lane(*lanes_, open_lane(op));
+    LaneGuard lane(*lanes_, open_lane(op), op.deadline);
     try {
       put(*lane, (*slots)[rank_], payload);
     } catch (const std::exception& exc) {
@@ -528,7 +538,7 @@ void StoreCollectives::put(Lane& lane, const std::string& key, const std::string
 }
 
 void StoreCollectives::send(const Op& op, const std::function<void(Lane&)>& write) {
-  LaneGuard lane(*lanes_, open_lane(op));  // failing to open one is already one line
+  LaneGuard lane(*lanes_, open_lane(op), op.deadline);  // failing to open one is already one line
   try {
     write(*lane);
   } catch (const std::exception& exc) {
@@ -690,6 +700,9 @@ void StoreCollectives::failure(const Op& op, const std::exception& exc) {
   if (auto notice = watcher_->notice()) {
     raise_abort(op, *notice);
   }
+  if (reaper::fired()) {  // the server held a call kGrace seconds past the deadline
+    throw CollectiveError(op.name, op.label, kUnreachable + reaper::no_answer(lanes_->server()));
+  }
   std::string text = error_text(exc);
   bool timed_out = op.left() <= 0.01 || lower(text).find("timeout") != std::string::npos;
   if (!timed_out && (op.name == "barrier" || op.name == "all_gather" || op.name == "all_sum")) {
@@ -710,7 +723,10 @@ void StoreCollectives::failure(const Op& op, const std::exception& exc) {
   }
   std::string detail;
   try {
-    LaneGuard lane(*lanes_, lanes_->acquire(kDiagnosticsConnect));  // past the deadline: a budget of its own
+    auto diagnostics = lanes_->acquire(kDiagnosticsConnect);  // past the deadline: a budget of its own
+    auto until = std::chrono::steady_clock::now() +
+        std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(kDiagnosticsConnect));
+    LaneGuard lane(*lanes_, std::move(diagnostics), until);
     timeout(op, *lane);
   } catch (const CollectiveTimeout&) {
     throw;
@@ -730,7 +746,7 @@ std::optional<std::string> StoreCollectives::bad_counter(const Op& op) {
   }
   try {
     // within the op's deadline: a host that went down must not hold the error past it
-    LaneGuard lane(*lanes_, lanes_->acquire(std::min(kDiagnosticsConnect, op.left())));
+    LaneGuard lane(*lanes_, lanes_->acquire(std::min(kDiagnosticsConnect, op.left())), op.deadline);
     for (const auto& key : keys) {
       auto value = lane->peek(key);
       if (value && !K::counter_value(*value)) {

@@ -438,8 +438,12 @@ void Watcher::run(std::shared_ptr<State> st) {
   bool dead = false;  // the lane's connection was lost and no new one could be opened yet
   try {
     // A background connection (twin of Watcher._run): the thread may start after the server
-    // went away, and must not spend seconds per attempt in torch's connect loop.
-    lane = st->lanes->acquire(-1.0, [] { return leaving(); });
+    // went away, and must not spend seconds per attempt in torch's connect loop; once closed, a
+    // server that refuses ends it too (its queued cleanup is dropped, as after a crash).
+    lane = st->lanes->acquire(-1.0, [&st] {
+      std::lock_guard<std::mutex> relock(st->mutex);
+      return leaving() || st->closed;
+    });
   } catch (const std::exception&) {
     std::lock_guard<std::mutex> lock(st->mutex);
     st->tasks.clear();

@@ -6,14 +6,16 @@ completes and cleans up."""
 from __future__ import annotations
 
 import gc
+import os
 import re
+import signal
 import threading
 import time
 import weakref
 
 import pytest
 import torch.distributed as dist
-from helpers import HOST, IMPLS, DictStore, Gate, Stores, make, make_cls, run_ranks
+from helpers import HOST, IMPLS, DictStore, Gate, Stores, make, make_cls, poll, run_ranks
 
 import torch_ctrl
 from torch_ctrl.errors import CollectiveAbortedError, CollectiveError, CollectiveTimeoutError
@@ -94,12 +96,18 @@ def test_close_does_not_wait_for_cleanup_once_the_server_is_gone(impl: str) -> N
     server = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
     colls = [make(impl, dist.TCPStore(HOST, server.port, is_master=False), r, world) for r in range(world)]
 
-    def ops(rank: int) -> None:  # each op leaves cleanup queued (a watcher tick behind)
+    def ops(rank: int, tag: str) -> None:  # each op leaves cleanup queued (a watcher tick behind)
         for i in range(3):
-            colls[rank].all_gather(f"g{i}", b"x", timeout=30)
-            colls[rank].all_sum(f"s{i}", 1, timeout=30)
+            colls[rank].all_gather(f"{tag}g{i}", b"x", timeout=30)
+            colls[rank].all_sum(f"{tag}s{i}", 1, timeout=30)
 
-    run_ranks(world, ops)
+    # Every watcher has its connection once a first round's keys are gone (each rank counts
+    # itself out on its own watcher): what the second round queues meets a lost connection.
+    # (A watcher still connecting when the server goes spends up to one attempt in torch's
+    # connect loop, seconds, first.)
+    run_ranks(world, lambda rank: ops(rank, "warm"))
+    poll(lambda store=server: store.num_keys() <= 1, 30, "the first round's keys deleted")
+    run_ranks(world, lambda rank: ops(rank, ""))
     del server
     start = time.monotonic()
     run_ranks(world, lambda rank: colls[rank].close(flush_timeout=10.0))  # as each rank would
@@ -676,3 +684,76 @@ server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 print(server.port, flush=True)
 time.sleep(600)
 """
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "mixed"])
+@pytest.mark.parametrize("kind", ["tcp", "prefix"])
+def test_an_op_on_a_frozen_server_fails_soon_after_its_deadline_naming_the_server(impl: str, kind: str) -> None:
+    """A server that stops answering without closing its connections (its host frozen, a
+    network partition; here SIGSTOP). torch's client reads most replies, and the reply to a
+    timed-out wait, with no time limit: the op hung for ever, as torch's class does. Now the
+    op's connection is shut down ``reaper.GRACE`` seconds past its deadline and the op fails
+    with one StoreUnreachableError line naming the server: an op blocked when the server froze
+    and one begun after alike. Once the server runs again, the same instances work."""
+    from datetime import timedelta
+
+    from helpers import freeze, frozen_server, poll
+
+    from torch_ctrl import reaper
+
+    with frozen_server() as (proc, port):
+
+        def client() -> dist.Store:
+            tcp = dist.TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False)
+            return tcp if kind == "tcp" else dist.PrefixStore("job", tcp)
+
+        admin = dist.TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False)
+        colls = [make(impl, client(), r, WORLD) for r in range(WORLD)]
+        run_ranks(WORLD, lambda r: colls[r].all_gather("warm", b"x", timeout=30))
+        poll(lambda: admin.num_keys() <= 1, 30, "the warm-up's keys deleted")
+        before = admin.num_keys()
+        outcome: dict[str, tuple[BaseException | None, float]] = {}
+
+        def run(name: str, fn) -> None:  # noqa: ANN001
+            started = time.monotonic()
+            try:
+                fn()
+                outcome[name] = (None, time.monotonic() - started)
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                outcome[name] = (exc, time.monotonic() - started)
+
+        blocked = threading.Thread(target=run, args=("blocked", lambda: colls[0].barrier("b", timeout=3)), daemon=True)
+        blocked.start()
+        poll(lambda: admin.num_keys() > before, 30, "rank 0 in the barrier")
+        freeze(proc.pid)
+        recv = lambda: colls[1].broadcast_recv("r", timeout=3)  # noqa: E731
+        later = threading.Thread(target=run, args=("later", recv), daemon=True)
+        later.start()
+        for thread in (blocked, later):
+            thread.join(3 + reaper.GRACE + 20)
+        assert set(outcome) == {"blocked", "later"}, f"still blocked: {outcome}"
+        for name, (exc, took) in outcome.items():
+            assert isinstance(exc, torch_ctrl.StoreUnreachableError), (name, exc)
+            text = str(exc)
+            assert "\n" not in text, text
+            said = f"the store's server {HOST}:{port} did not answer for {reaper.GRACE:g}s past the op's deadline"
+            assert said in text, text
+            # Not before the deadline (the server may only be slow), and soon after its grace.
+            assert 3 <= took < 3 + reaper.GRACE + 5, (name, took)
+        # Both lanes were dropped: an op now needs a new connection, whose first read torch
+        # makes with no time limit too; and abort(), which has no timeout, gets 3 s + GRACE.
+        for name, call, bound in [
+            ("new connection", lambda: colls[0].barrier("c", timeout=3), 3 + reaper.GRACE),
+            ("abort", lambda: colls[1].abort("frozen"), reaper.ABORT_WAIT + reaper.GRACE),
+        ]:
+            started = time.monotonic()
+            with pytest.raises(torch_ctrl.StoreUnreachableError) as info:
+                call()
+            took, text = time.monotonic() - started, str(info.value)
+            assert f"the store's server {HOST}:{port} did not answer " in text and "\n" not in text, (name, text)
+            assert took < bound + 5, (name, took)
+        os.kill(proc.pid, signal.SIGCONT)
+        assert run_ranks(WORLD, lambda r: colls[r].all_sum("again", 1, timeout=30)) == [2, 2]
+        for c in colls:
+            c.close(flush_timeout=5)

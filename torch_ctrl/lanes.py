@@ -36,7 +36,7 @@ from types import FrameType
 
 import torch.distributed as dist
 
-from . import capabilities
+from . import capabilities, reaper
 from . import keys as K
 
 _TICK = 0.001  # smallest timeout handed to a store (0 means "forever" to some stores)
@@ -329,6 +329,11 @@ def new_client(
                 "other connections of this process are being opened (one at a time on this torch)"
             )
         try:
+            if stop is not None and stop():
+                # Asked to stop while waiting for the turn: a server that refuses now ends the
+                # attempt here, not after seconds in torch's connect loop (the C++ twin waits
+                # for no turn).
+                _reach(store.host, store.port, deadline, stop)
             _free_retired()
             return _tcp_client(store, max(min(deadline - time.monotonic(), BACKGROUND_TURN), _TICK))
         except Exception:
@@ -476,13 +481,18 @@ def _tcp_client(store: dist.TCPStore, connect_timeout: float | None) -> dist.TCP
     timeout = store.timeout
     if connect_timeout is not None and connect_timeout < timeout.total_seconds():
         timeout = timedelta(seconds=max(connect_timeout, _TICK))  # connecting gives up then
-    client = dist.TCPStore(
-        store.host,
+    client = reaper.opened(
+        lambda: dist.TCPStore(
+            store.host,
+            store.port,
+            is_master=False,
+            timeout=timeout,
+            wait_for_workers=False,
+            use_libuv=store.libuvBackend,
+        ),
+        f"{store.host}:{store.port}",
         store.port,
-        is_master=False,
-        timeout=timeout,
-        wait_for_workers=False,
-        use_libuv=store.libuvBackend,
+        timeout.total_seconds(),
     )
     client.set_timeout(store.timeout)
     return client
@@ -524,6 +534,7 @@ class Lane:
         self._prefix: str | None = None  # what PrefixStores put before a key (see key_prefix)
         self.prefix = ""  # the same, on the TCPStore path (set by Lanes)
         self._base: dist.Store | None = None  # the TCPStore under the PrefixStores
+        self.socket: reaper.Socket | None = None  # a TCPStore connection of its own (see reaper)
 
     # -- plain calls ---------------------------------------------------------
     def set(self, key: str, value: bytes) -> None:
@@ -625,7 +636,9 @@ class Lane:
         # get armed that to QUIET_WAIT: a server busy for that long is not gone.
         dropped.set_timeout(timedelta(seconds=connect_timeout))
         with _FORK_GATE:
+            reaper.take_opened()
             client = new_client(dropped, connect_timeout)
+            self.socket = reaper.take_opened()  # a Bound already entered keeps the old one
         retire(self.store)
         retire(dropped)  # its Python object may be held by nothing else
         self.store = under_prefix(self.prefix, client)
@@ -815,15 +828,22 @@ class Borrowed:
     """A borrowed lane as a context manager: returned to the pool unless the block raised
     (a class, not a generator: every collective borrows one)."""
 
-    __slots__ = ("_lanes", "_lane")
+    __slots__ = ("_lanes", "_lane", "_bound")
 
-    def __init__(self, lanes: Lanes, lane: Lane) -> None:
+    def __init__(self, lanes: Lanes, lane: Lane, deadline: float | None = None) -> None:
+        """``deadline`` (``time.monotonic()``): the lane's connection is shut down if the block
+        is still in it ``reaper.GRACE`` seconds later (a server that stopped answering)."""
         self._lanes, self._lane = lanes, lane
+        self._bound = reaper.Bound(lane.socket, deadline) if deadline is not None and lane.socket else None
 
     def __enter__(self) -> Lane:
+        if self._bound is not None:
+            self._bound.__enter__()
         return self._lane
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
+        if self._bound is not None:
+            self._bound.__exit__()
         if exc_type is None:
             self._lanes.release(self._lane)
         elif self._lane.owned:
@@ -883,15 +903,19 @@ class Lanes:
         TCPStore's new connection opens within ``connect_timeout`` seconds when given (an op's
         time left): ``clone()`` would take the store's whole timeout to fail on a server that
         is gone. ``stop`` makes it a background connection (see :func:`new_client`)."""
+        sock = None
         if not self.owned:
             handle = self.store
         else:
             with _FORK_GATE:
+                reaper.take_opened()
                 handle = self._connect(connect_timeout, stop)
+                sock = reaper.take_opened()
         lane = Lane(
             handle, self.owned, self.native_barrier, self.extended, self.sliced, self.polled, self.cas, self.deletes
         )
         lane.prefix = getattr(self, "prefix", "")
+        lane.socket = sock
         return lane
 
     def _connect(self, connect_timeout: float | None, stop: Callable[[], bool] | None) -> dist.Store:
@@ -912,6 +936,9 @@ class Lanes:
                 # No time limit: a plain-socket check suffices (see new_client).
                 deadline = time.monotonic() + base.timeout.total_seconds()
                 _reach(base.host, base.port, deadline, stop, () if stop else _REFUSED)
+            if isinstance(base, dist.TCPStore):
+                seconds = base.timeout.total_seconds()
+                return reaper.opened(self.store.clone, f"{base.host}:{base.port}", base.port, seconds)
             return self.store.clone()
         return new_client(self.store, stop=stop)
 

@@ -19,6 +19,7 @@ from typing import NoReturn, TypeVar
 import torch.distributed as dist
 
 from . import keys as K
+from . import reaper
 from .base import (
     DEFAULT_TIMEOUT,
     ControlCollectives,
@@ -302,8 +303,16 @@ class PyStoreCollectives(ControlCollectives):
         self._check_process("abort")
         mine = b"%d:%s" % (self._rank, reason.encode("utf-8", "replace"))
         try:
-            with self._lanes.lane() as lane:
-                notice = lane.claim(self._watcher.abort_key, mine)
+            # A new connection is bounded as long (see reaper.opened).
+            lane = self._lanes.acquire(reaper.ABORT_WAIT)
+            with Borrowed(self._lanes, lane, time.monotonic() + reaper.ABORT_WAIT) as lane:
+                try:
+                    notice = lane.claim(self._watcher.abort_key, mine)
+                except Exception:
+                    if reaper.fired():  # twin: StoreCollectives::abort
+                        within = reaper.ABORT_WAIT + reaper.GRACE
+                        raise dist.DistNetworkError(reaper.no_answer(self._lanes.server, within)) from None
+                    raise
         except Exception as exc:
             raise abort_unreachable(exc, self._store) from None
         self._watcher.aborted(notice)
@@ -373,7 +382,7 @@ class PyStoreCollectives(ControlCollectives):
         # it gives up, and the op must still end by its deadline.
         budget = op.left() / 2
         try:
-            return Borrowed(self._lanes, self._lanes.acquire(max(budget, MIN_CONNECT)))
+            return Borrowed(self._lanes, self._lanes.acquire(max(budget, MIN_CONNECT)), op.deadline)
         except Exception as exc:
             text = one_line(str(exc))
             if budget < MIN_CONNECT:
@@ -645,6 +654,8 @@ class PyStoreCollectives(ControlCollectives):
             return exc  # already says what happened (e.g. a value torch_ctrl could not have written)
         if self._watcher.notice is not None:
             return self._aborted(op, self._watcher.notice)
+        if reaper.fired():  # the server held a call GRACE seconds past the deadline
+            return collective_error(op.name, op.label, UNREACHABLE + reaper.no_answer(self._lanes.server))
         text = self._store_text(exc)
         in_time = time.monotonic() < op.deadline - 0.01 and "timeout" not in text.lower()
         if in_time and op.name in COUNTED:
@@ -659,7 +670,8 @@ class PyStoreCollectives(ControlCollectives):
             detail = f"the store did not take the value ({text})"
             return timeout_error(op.name, op.label, op.seconds, self._world, detail=detail)
         try:  # at the deadline: a new connection for the diagnostics gets a budget of its own
-            with Borrowed(self._lanes, self._lanes.acquire(DIAGNOSTICS_CONNECT)) as lane:
+            lane = self._lanes.acquire(DIAGNOSTICS_CONNECT)
+            with Borrowed(self._lanes, lane, time.monotonic() + DIAGNOSTICS_CONNECT) as lane:
                 return self._timeout(op, lane)
         except Exception as diag_exc:  # noqa: BLE001 - diagnostics must not hide the timeout
             detail = f"({self._store_text(diag_exc)})"
@@ -674,7 +686,7 @@ class PyStoreCollectives(ControlCollectives):
             keys.append(op.key(K.SUM))
         try:
             # within the op's deadline: a host that went down must not hold the error past it
-            with Borrowed(self._lanes, self._lanes.acquire(min(DIAGNOSTICS_CONNECT, op.left()))) as lane:
+            with Borrowed(self._lanes, self._lanes.acquire(min(DIAGNOSTICS_CONNECT, op.left())), op.deadline) as lane:
                 for key in keys:
                     value = lane.peek(key)
                     if value is not None and K.counter_value(value) is None:

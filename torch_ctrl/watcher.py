@@ -408,8 +408,9 @@ class Watcher:
         try:
             # A background connection (plain-socket check first, short attempts in torch): the
             # thread may start after the server went away, and must not be inside torch's
-            # connect loop (seconds per attempt there) when the process exits.
-            lane = self._lanes.acquire(stop=leaving)
+            # connect loop (seconds per attempt there) when the process exits; once closed, a
+            # server that refuses ends it too (its queued cleanup is dropped, as after a crash).
+            lane = self._lanes.acquire(stop=lambda: _LEAVING or self._closed)
         except Exception as exc:  # noqa: BLE001 - store gone: nothing left to clean
             log.debug("torch_ctrl watcher cannot open a lane: %s", exc)
             with self._cv:
