@@ -700,8 +700,12 @@ def test_an_op_on_a_frozen_server_fails_soon_after_its_deadline_naming_the_serve
 
     from helpers import freeze, frozen_server, poll
 
-    from torch_ctrl import reaper
+    from torch_ctrl import capabilities, reaper
 
+    if impl == "python" and kind == "prefix" and not capabilities.CLONE:
+        # The one case left unbounded (docs/troubleshooting.md): on a torch without clone(),
+        # the Python twin calls through the chain's one client, which is the caller's.
+        pytest.skip("the Python twin shares the caller's client of a PrefixStore chain on this torch")
     with frozen_server() as (proc, port):
 
         def client() -> dist.Store:
