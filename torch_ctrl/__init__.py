@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 
 from . import base as _base
+from . import exit_gate as _exit_gate
 from .base import ControlCollectives
 from .errors import (
     CollectiveAbortedError,
@@ -68,6 +69,9 @@ def register() -> None:
 register()
 
 
-# Registered last, so it runs first at exit: before the watchers stop (atexit runs its
-# callbacks in reverse order), a process ending on an uncaught exception aborts its groups.
+# atexit runs its callbacks in reverse order. Registered after the watchers' and the
+# extension's hooks, so these run first: a process ending on an uncaught exception aborts its
+# groups; then daemon threads of the pure-Python implementation park at their next
+# collective's start or end (see exit_gate); then the watchers stop.
+atexit.register(_exit_gate.settle)
 atexit.register(_base.abort_open_groups_on_crash)

@@ -53,6 +53,7 @@ from .errors import (
     one_line,
     timeout_error,
 )
+from .exit_gate import gated
 from .lanes import Borrowed, Lane, Lanes, connection_lost, lost_text
 from .watcher import Watcher, leaving
 
@@ -126,6 +127,7 @@ class PyStoreCollectives(ControlCollectives):
             total = coll.all_sum("work", rank + 1, timeout=30)
     """
 
+    @gated
     def __init__(
         self,
         store: dist.Store,
@@ -173,6 +175,7 @@ class PyStoreCollectives(ControlCollectives):
         """Number of ranks in the group."""
         return self._world
 
+    @gated
     def barrier(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT, block: bool = True) -> None:
         self._check_process("barrier")
         user_key, seconds, block = check_key(key), to_seconds(timeout), check_block(block)
@@ -201,6 +204,7 @@ class PyStoreCollectives(ControlCollectives):
                 return
             self._exit_later(op, self._world, [K.ARRIVE, K.DONE])
 
+    @gated
     def broadcast_send(
         self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> None:
@@ -211,6 +215,7 @@ class PyStoreCollectives(ControlCollectives):
             return
         self._send(op, lambda lane: self._put(lane, op.key(K.DONE), payload))
 
+    @gated
     def broadcast_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
         self._check_process("broadcast_recv")
         op = self._begin("broadcast_recv", check_key(key), to_seconds(timeout))
@@ -220,6 +225,7 @@ class PyStoreCollectives(ControlCollectives):
         self._exit_later(op, self._world - 1, [K.DONE], chunks)
         return value
 
+    @gated
     def gather_send(self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> None:
         self._check_process("gather_send")
         user_key, payload, seconds = check_key(key), to_bytes(data), to_seconds(timeout)
@@ -228,6 +234,7 @@ class PyStoreCollectives(ControlCollectives):
             return
         self._send(op, lambda lane: self._put(lane, K.rank_slot(op.prefix, self._rank), payload))
 
+    @gated
     def gather_recv(
         self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> list[bytes]:
@@ -243,6 +250,7 @@ class PyStoreCollectives(ControlCollectives):
         values.insert(self._rank, payload)
         return values
 
+    @gated
     def scatter_send(
         self, key: str | None = None, data: Sequence[Data] | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> bytes:
@@ -259,6 +267,7 @@ class PyStoreCollectives(ControlCollectives):
             self._send(op, write)
         return payloads[self._rank]
 
+    @gated
     def scatter_recv(self, key: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> bytes:
         self._check_process("scatter_recv")
         op = self._begin("scatter_recv", check_key(key), to_seconds(timeout))
@@ -268,6 +277,7 @@ class PyStoreCollectives(ControlCollectives):
         self._delete_later([slot, *chunks])
         return value
 
+    @gated
     def all_gather(
         self, key: str | None = None, data: Data | None = None, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> list[bytes]:
@@ -279,6 +289,7 @@ class PyStoreCollectives(ControlCollectives):
         entries = self._exchange(op, payload)
         return [entries[r] for r in range(self._world)]
 
+    @gated
     def all_sum(self, key: str | None = None, data: int | None = None, timeout: Timeout = DEFAULT_TIMEOUT) -> int:
         self._check_process("all_sum")
         user_key, value, seconds = check_key(key), to_int64(data), to_seconds(timeout)
@@ -295,6 +306,7 @@ class PyStoreCollectives(ControlCollectives):
         # A decimal int64 each, as the C++ twin reads it (int() would take b"+7", b" 7", b"1_0").
         return K.wrap_int64(sum(K.parse_total(v, bad) for v in entries.values()))
 
+    @gated
     def abort(self, reason: str = "") -> None:
         """Mark the group (every instance on this store namespace and world size) as failed by
         this rank. Peers blocked in any collective raise ``CollectiveAbortedError`` within a

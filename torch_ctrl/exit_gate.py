@@ -1,0 +1,120 @@
+"""Keeps the pure-Python implementation's threads out of torch while the interpreter finalizes.
+
+A thread that returns from a call into torch's C++ bindings while CPython finalizes is ended
+on its way back, and ending it inside C++ aborts the process (SIGABRT, ``terminate called
+without an active exception``; torchrun reports a failed worker). The C++ implementation parks
+such a thread in C++ (``csrc/bindings.cpp``). The pure-Python one calls torch's own bindings,
+so it keeps its threads out of them instead: every collective runs inside :func:`gated`, and
+once the process exits (:func:`settle`, an ``atexit`` hook, run after Python has joined every
+non-daemon thread) a daemon thread that starts or ends a collective is parked for good: it
+blocks on a lock nobody releases, outside any C++ frame, and goes with the process.
+
+:func:`settle` then waits until threads stop entering and leaving collectives (``QUIET``
+seconds without either, at most ``BOUND`` seconds). A thread still inside one after that is
+blocked waiting for other ranks; nothing of torch_ctrl wakes it (the watchers stop next), so it
+stays blocked through finalization, as with the C++ implementation.
+
+Cost per collective: two dict updates and two counter steps, well under a microsecond.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+F = TypeVar("F", bound=Callable[..., object])
+
+# settle(): how long without a thread entering or leaving a collective counts as settled, and
+# the longest it waits (threads running collectives back to back park within one op).
+QUIET = 0.1
+BOUND = 2.0
+_STEP = 0.01
+
+# Thread ident -> how many gated calls it is inside (abort() may run inside an op's error path).
+_INSIDE: dict[int, int] = {}
+_EVENTS = itertools.count()
+_last_event = 0
+_closed = False
+_settling_thread: int | None = None
+
+
+def _park() -> None:
+    """Block the calling thread for good (never the one running the exit)."""
+    gate = threading.Lock()
+    gate.acquire()
+    gate.acquire()  # nobody releases it
+
+
+def _enter() -> None:
+    global _last_event
+    ident = threading.get_ident()
+    if _closed and ident != _settling_thread:
+        _park()
+    _INSIDE[ident] = _INSIDE.get(ident, 0) + 1
+    _last_event = next(_EVENTS)
+
+
+def _leave() -> None:
+    global _last_event
+    ident = threading.get_ident()
+    depth = _INSIDE.get(ident, 1) - 1
+    if depth > 0:
+        _INSIDE[ident] = depth
+    else:
+        _INSIDE.pop(ident, None)
+    _last_event = next(_EVENTS)
+    if _closed and ident != _settling_thread:
+        _park()
+
+
+def gated(method: F) -> F:
+    """``method`` (a collective of the pure-Python implementation), run through the gate: it
+    parks its thread when called, or when it returns or raises, once the process exits."""
+
+    @functools.wraps(method)
+    def run(*args: object, **kwargs: object) -> object:
+        _enter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _leave()
+
+    return run  # type: ignore[return-value]
+
+
+def inside() -> int:
+    """How many threads are inside a gated call now."""
+    return len(_INSIDE)
+
+
+def settle(quiet: float = QUIET, bound: float = BOUND) -> None:
+    """At exit: close the gate, then wait until no thread has entered or left a collective for
+    ``quiet`` seconds (at most ``bound`` seconds; at once when none is inside one)."""
+    global _closed, _settling_thread
+    _settling_thread = threading.get_ident()
+    _closed = True
+    start = time.monotonic()
+    last, since = _last_event, start
+    while any(ident != _settling_thread for ident in list(_INSIDE)):
+        now = time.monotonic()
+        if _last_event != last:
+            last, since = _last_event, now
+        if now - since >= quiet or now - start >= bound:
+            return
+        time.sleep(_STEP)
+
+
+def _forked() -> None:
+    # The parent's threads are not in the child; a fork during the exit leaves the child open.
+    global _closed, _settling_thread
+    _INSIDE.clear()
+    _closed, _settling_thread = False, None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
