@@ -12,7 +12,9 @@ blocks on a lock nobody releases, outside any C++ frame, and goes with the proce
 :func:`settle` then waits until threads stop entering and leaving collectives (``QUIET``
 seconds without either, at most ``BOUND`` seconds). A thread still inside one after that is
 blocked waiting for other ranks; nothing of torch_ctrl wakes it (the watchers stop next), so it
-stays blocked through finalization, as with the C++ implementation.
+stays blocked through finalization, as with the C++ implementation. A parked thread keeps
+what it holds, as a blocked one does: a lock the application took around the collective stays
+taken.
 
 Cost per collective: two dict updates and two counter steps, well under a microsecond.
 """
@@ -53,23 +55,30 @@ def _park() -> None:
 def _enter() -> None:
     global _last_event
     ident = threading.get_ident()
-    if _closed and ident != _settling_thread:
-        _park()
+    # Counted before the gate is looked at: settle() closes the gate before it looks at the
+    # threads inside, so a thread passes the gate only if settle() will see it inside.
     _INSIDE[ident] = _INSIDE.get(ident, 0) + 1
     _last_event = next(_EVENTS)
+    if _closed and ident != _settling_thread:
+        _uncount(ident)
+        _park()
 
 
 def _leave() -> None:
-    global _last_event
     ident = threading.get_ident()
+    _uncount(ident)
+    if _closed and ident != _settling_thread:
+        _park()
+
+
+def _uncount(ident: int) -> None:
+    global _last_event
     depth = _INSIDE.get(ident, 1) - 1
     if depth > 0:
         _INSIDE[ident] = depth
     else:
         _INSIDE.pop(ident, None)
     _last_event = next(_EVENTS)
-    if _closed and ident != _settling_thread:
-        _park()
 
 
 def gated(method: F) -> F:
