@@ -96,11 +96,6 @@ def gated(method: F) -> F:
     return run  # type: ignore[return-value]
 
 
-def inside() -> int:
-    """How many threads are inside a gated call now."""
-    return len(_INSIDE)
-
-
 def settle(quiet: float = QUIET, bound: float = BOUND) -> None:
     """At exit: close the gate, then wait until no thread has entered or left a collective for
     ``quiet`` seconds (at most ``bound`` seconds; at once when none is inside one)."""
