@@ -293,6 +293,22 @@ PYBIND11_MODULE(_C, m) {
     }
     return torch_ctrl::PythonError{network, std::move(text)};
   };
+  torch_ctrl::python_list_keys = [](c10d::Store& store) -> std::optional<std::vector<std::string>> {
+    if (finalizing()) {
+      return std::nullopt;  // diagnostics only: no Python left to ask
+    }
+    py::gil_scoped_acquire gil;
+    try {
+      py::object obj = py::cast(c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store));
+      py::object names = py::module_::import("torch_ctrl.lanes").attr("python_list_keys")(obj);
+      if (names.is_none()) {
+        return std::nullopt;
+      }
+      return names.cast<std::vector<std::string>>();
+    } catch (const std::exception&) {  // py::error_already_set or a cast: as a store that cannot list
+      return std::nullopt;
+    }
+  };
   torch_ctrl::python_read_counter = [](c10d::Store& store, const std::string& key) -> int64_t {
     py::gil_scoped_acquire gil;
     py::object obj = py::cast(c10::intrusive_ptr<c10d::Store>::reclaim_copy(&store));

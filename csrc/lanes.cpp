@@ -702,12 +702,16 @@ void Lane::barrier(const std::string& key, int world_size, double seconds) {
   compat::barrier(*base, prefix + key, world_size, millis(seconds));
 }
 
+std::function<std::optional<std::vector<std::string>>(c10d::Store&)> python_list_keys;
+
 std::optional<std::vector<std::string>> Lane::list_keys() {
   try {
-    return compat::list_keys(*store);
-  } catch (const std::exception&) {
-    return std::nullopt;
+    if (auto names = compat::list_keys(*store)) {
+      return names;
+    }
+  } catch (const std::exception&) { // a Python-written store's, or no listKeys in this store
   }
+  return python_list_keys ? python_list_keys(*store) : std::nullopt;
 }
 
 Lanes::Lanes(c10::intrusive_ptr<c10d::Store> store, bool cas, bool deletes)

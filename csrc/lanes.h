@@ -36,6 +36,11 @@ extern std::function<void(c10d::Store&, const std::string&)> python_delete_key;
 // A Python-written store's add() may return an int past int64, which the trampoline cannot
 // convert; the bindings install this hook to read such a value (add 0) wrapped at 64 bits.
 extern std::function<int64_t(c10d::Store&, const std::string&)> python_read_counter;
+// torch's PrefixStore and its trampoline for Python-written stores do not forward list_keys to
+// Python; the bindings install this hook, which lists such a store (when its class defines
+// list_keys) relative to the PrefixStores over it, as the Python twin does
+// (lanes.python_list_keys), and gives nullopt for every other store.
+extern std::function<std::optional<std::vector<std::string>>(c10d::Store&)> python_list_keys;
 // Whether a store call's exception is an interruption raised in a Python-written store
 // (KeyboardInterrupt, SystemExit): it goes to the caller as it is, not as a store error.
 extern std::function<bool(const std::exception&)> python_interrupt;

@@ -96,6 +96,19 @@ class DictStore(dist.Store):
             return len(self._data)
 
 
+class ListingStore(DictStore):
+    """A :class:`DictStore` that also lists its keys (``list_keys``), counting the calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listed = 0
+
+    def list_keys(self) -> list[str]:
+        with self._cv:
+            self.listed += 1
+            return list(self._data)
+
+
 class BasicStore(dist.Store):
     """A Python-written store with the methods torch's EtcdStore defines (set, get, add,
     check, wait), so no compare_set and no delete_key. ``num_keys`` is there for the tests
@@ -141,13 +154,15 @@ class Stores:
             self._shared: dist.Store = dist.HashStore()
         elif kind in ("python", "prefix_python"):
             self._shared = DictStore()
+        elif kind in ("listing", "prefix_listing"):  # not in STORE_KINDS: the tests of naming
+            self._shared = ListingStore()
         elif kind == "basic":
             self._shared = BasicStore()
         else:
             raise ValueError(kind)
         # A PrefixStore cannot count a Python store's keys (torch's binding: "pure virtual"), and
         # num_keys counts every key below any prefix anyway: the admin of prefix_python is the store.
-        self.admin = self._shared if kind == "prefix_python" else self.client(-1)
+        self.admin = self._shared if kind in ("prefix_python", "prefix_listing") else self.client(-1)
 
     def client(self, rank: int, port: int | None = None) -> dist.Store:
         """A store handle for one rank (its own connection where the kind has them), through
@@ -169,7 +184,7 @@ class Stores:
             return dist.FileStore(self.path, -1)
         if self.kind == "prefix_file":  # what init_process_group("file://...") hands out
             return dist.PrefixStore("job", dist.FileStore(self.path, -1))
-        if self.kind == "prefix_python":  # the workers' namespace over a Python store (EtcdStore)
+        if self.kind in ("prefix_python", "prefix_listing"):  # the workers' namespace over a Python store (EtcdStore)
             return dist.PrefixStore("job", self._shared)
         return self._shared
 

@@ -453,12 +453,15 @@ def test_rooted_receive_timeout_says_nothing_sent(impl: str, op: str) -> None:
     coll.close()
 
 
-@pytest.mark.skipif(not torch_ctrl.capabilities.LIST_KEYS, reason="this torch's stores cannot list keys")
 @pytest.mark.parametrize("op", ["barrier", "all_gather", "all_sum", "gather", "broadcast"])
-@pytest.mark.parametrize("kind", ["tcp", "prefix", "hash", "file", "prefix_file"])
+@pytest.mark.parametrize("kind", ["tcp", "prefix", "hash", "file", "prefix_file", "listing", "prefix_listing"])
 def test_a_rank_given_another_world_size_is_named(impl: str, kind: str, op: str) -> None:
     """A rank given the wrong world_size waits in a group of its own: the timeout says which
-    world sizes used the op's key, instead of only calling the rank missing."""
+    world sizes used the op's key, instead of only calling the rank missing. A Python-written
+    store that defines list_keys is listed on every torch, also under a PrefixStore (which
+    cannot pass list_keys on to it), by both implementations."""
+    if "listing" not in kind and not torch_ctrl.capabilities.LIST_KEYS:
+        pytest.skip("this torch's stores cannot list keys")
     stores = Stores(kind)
     try:
         stores.admin.list_keys()
@@ -497,6 +500,8 @@ def test_a_rank_given_another_world_size_is_named(impl: str, kind: str, op: str)
         assert texts[0].endswith("1/2 ranks arrived; missing ranks: [1]; " + hint.format(3)), texts[0]
     else:
         assert texts[1] == "broadcast_recv 'ws' timed out after 1s: nothing was sent; " + hint.format(2)
+    if "listing" in kind:
+        assert stores._shared.listed > 0  # listed through the Python store's own method
 
 
 @pytest.mark.skipif(not torch_ctrl.capabilities.LIST_KEYS, reason="this torch's stores cannot list keys")

@@ -116,6 +116,24 @@ def python_methods(store: dist.Store) -> frozenset[str] | None:
     return None
 
 
+def python_list_keys(store: dist.Store) -> list[str] | None:
+    """The key names of the Python-written store under any PrefixStores, relative to them, when
+    its class defines ``list_keys``; ``None`` for other stores and when the listing fails.
+    torch's PrefixStore cannot pass ``list_keys`` on to a Python store (nor can torch's C++
+    binding of one, which the C++ twin calls through): both twins list such a store here (the
+    C++ one through ``python_list_keys`` in csrc/bindings.cpp), so a timeout's diagnostics
+    name the same ranks and world sizes in either."""
+    methods = python_methods(store)
+    if methods is None or "list_keys" not in methods:
+        return None
+    try:
+        base = base_store(store)
+        prefix = key_prefix(store) if store is not base else ""
+        return [name[len(prefix) :] for name in base.list_keys() if name.startswith(prefix)]
+    except Exception:  # noqa: BLE001 - diagnostics only: a store that cannot list is one without list_keys
+        return None
+
+
 def store_api(store: dist.Store) -> tuple[bool, bool]:
     """``(cas, deletes)``: whether ops may call the store's ``compare_set`` and ``delete_key``.
     Without compare_set a read that must not block is ``check`` then ``get``, which is safe
@@ -818,10 +836,12 @@ class Lane:
             self.store.barrier(key, world_size)
 
     def list_keys(self) -> list[str] | None:
+        """The store's key names, relative to this lane's PrefixStores; ``None`` where they
+        cannot be listed."""
         try:
             return list(self.store.list_keys())
         except Exception:  # noqa: BLE001 - optional API
-            return None
+            return python_list_keys(self.store)
 
 
 class Borrowed:
