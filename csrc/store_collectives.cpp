@@ -731,7 +731,7 @@ void StoreCollectives::failure(const Op& op, const std::exception& exc) {
   } catch (const CollectiveTimeout&) {
     throw;
   } catch (const std::exception& diag) {
-    detail = "(" + error_text(diag) + ")";
+    detail = "who arrived could not be read (" + error_text(diag) + ")";
   }
   throw CollectiveTimeout(op.name, op.label, op.seconds, world_, std::nullopt, {}, detail);
 }

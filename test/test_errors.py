@@ -928,7 +928,8 @@ def test_a_python_store_error_in_a_timeouts_diagnostics_carries_its_type(impl: s
     coll = make(impl, _FailingCompareSet(), 0, 2)
     with pytest.raises(CollectiveTimeoutError) as info:
         getattr(coll, method)("k", timeout=0.5, **kwargs)
-    assert _one_line(info.value) == f"{method} 'k' timed out after 0.5s: (ValueError: bad)"
+    expected = f"{method} 'k' timed out after 0.5s: who arrived could not be read (ValueError: bad)"
+    assert _one_line(info.value) == expected
     coll.close(0.5)
 
 

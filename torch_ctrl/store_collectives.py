@@ -686,7 +686,7 @@ class PyStoreCollectives(ControlCollectives):
             with Borrowed(self._lanes, lane, time.monotonic() + DIAGNOSTICS_CONNECT) as lane:
                 return self._timeout(op, lane)
         except Exception as diag_exc:  # noqa: BLE001 - diagnostics must not hide the timeout
-            detail = f"({self._store_text(diag_exc)})"
+            detail = f"who arrived could not be read ({self._store_text(diag_exc)})"
             return timeout_error(op.name, op.label, op.seconds, self._world, detail=detail)
 
     def _bad_counter(self, op: _Op) -> str | None:
