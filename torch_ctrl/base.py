@@ -484,15 +484,17 @@ def call_error(owner: str, method: str, args: tuple, kwargs: dict) -> NoReturn:
     list pybind11's signatures over several lines)."""
     signature = inspect.signature(getattr(ControlCollectives, method))
     most = len(signature.parameters)  # self included; every other parameter has a default
-    if len(args) + 1 > most:  # CPython's words
+    # CPython's words, as this interpreter says them: the class name comes first from 3.10.
+    name = f"{owner}.{method}" if sys.version_info >= (3, 10) else method
+    if len(args) + 1 > most:
         given = len(args) + 1
-        raise TypeError(f"{owner}.{method}() takes from 1 to {most} positional arguments but {given} were given")
+        raise TypeError(f"{name}() takes from 1 to {most} positional arguments but {given} were given")
     try:
         signature.bind(None, *args, **kwargs)
     except TypeError as exc:
         text = str(exc)
-        raise TypeError(f"{owner}.{method}() {text if text.startswith('got ') else 'got ' + text}") from None
-    raise TypeError(f"{owner}.{method}(): arguments {args!r}, {kwargs!r} do not fit {method}'s signature")
+        raise TypeError(f"{name}() {text if text.startswith('got ') else 'got ' + text}") from None
+    raise TypeError(f"{name}(): arguments {args!r}, {kwargs!r} do not fit {method}'s signature")
 
 
 def check_init(store: object, rank: object, world_size: object) -> tuple[int, int]:
