@@ -9,12 +9,17 @@ once the process exits (:func:`settle`, an ``atexit`` hook, run after Python has
 non-daemon thread) a daemon thread that starts or ends a collective is parked for good: it
 blocks on a lock nobody releases, outside any C++ frame, and goes with the process.
 
-:func:`settle` then waits until threads stop entering and leaving collectives (``QUIET``
-seconds without either, at most ``BOUND`` seconds). A thread still inside one after that is
-blocked waiting for other ranks; nothing of torch_ctrl wakes it (the watchers stop next), so it
-stays blocked through finalization, as with the C++ implementation. A parked thread keeps
-what it holds, as a blocked one does: a lock the application took around the collective stays
-taken.
+A thread that waits for other ranks by polling the store (on a FileStore, and on a TCPStore
+client shared by every caller: torch 2.6 and 2.7 under PrefixStores) is never blocked in torch:
+it calls into torch again after every pause. It pauses through :func:`pause`, which parks it
+there, between two calls, once the process exits.
+
+:func:`settle` then waits until threads stop entering and leaving collectives and pausing
+between polls (``QUIET`` seconds without any of these, at most ``BOUND`` seconds; the pauses
+are shorter). A thread still inside one after that is blocked in a call, waiting for other
+ranks; nothing of torch_ctrl wakes it (the watchers stop next), so it stays blocked through
+finalization, as with the C++ implementation. A parked thread keeps what it holds, as a
+blocked one does: a lock the application took around the collective stays taken.
 
 Cost per collective: two dict updates and two counter steps, well under a microsecond.
 """
@@ -79,6 +84,38 @@ def _uncount(ident: int) -> None:
     else:
         _INSIDE.pop(ident, None)
     _last_event = next(_EVENTS)
+
+
+def pause(seconds: float) -> None:
+    """``time.sleep(seconds)`` between two polls of the store. In a collective, once the process
+    exits, the thread parks here instead (before the pause or after it), outside any call into
+    torch; each such pause counts as activity for :func:`settle`, so a thread polling for other
+    ranks is parked before settle() returns. Elsewhere (a watcher's retries) a plain sleep."""
+    ident = threading.get_ident()
+    if ident not in _INSIDE or ident == _settling_thread:
+        time.sleep(seconds)
+        return
+    _checkpoint(ident)
+    time.sleep(seconds)
+    _checkpoint(ident)
+
+
+def checkpoint() -> None:
+    """Between two calls into torch in a collective that waits by other means than
+    :func:`pause`: parks the thread once the process exits (see :func:`pause`)."""
+    ident = threading.get_ident()
+    if ident in _INSIDE and ident != _settling_thread:
+        _checkpoint(ident)
+
+
+def _checkpoint(ident: int) -> None:
+    """A sign of life of a thread inside a collective; it parks there once the gate is closed."""
+    global _last_event
+    _last_event = next(_EVENTS)
+    if _closed:
+        _INSIDE.pop(ident, None)
+        _last_event = next(_EVENTS)
+        _park()
 
 
 def gated(method: F) -> F:

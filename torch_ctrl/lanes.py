@@ -36,7 +36,7 @@ from types import FrameType
 
 import torch.distributed as dist
 
-from . import capabilities, reaper
+from . import capabilities, exit_gate, reaper
 from . import keys as K
 
 _TICK = 0.001  # smallest timeout handed to a store (0 means "forever" to some stores)
@@ -689,7 +689,7 @@ class Lane:
         deadline = time.monotonic() + CLAIM_WAIT
         pause = 0.001
         while (stands := self.peek(key)) is None and time.monotonic() < deadline:
-            time.sleep(pause)
+            exit_gate.pause(pause)
             pause = min(pause * 2, 0.05)
         return stands or value
 
@@ -771,7 +771,7 @@ class Lane:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise dist.DistStoreError(f"wait timeout after {seconds:g}s, keys: {list(keys)}")
-            time.sleep(min(pause, left))
+            exit_gate.pause(min(pause, left))  # where the thread parks when the process exits
             pause = min(pause * 2, longest)
 
     def _fits(self, seconds: float) -> bool:
@@ -809,7 +809,7 @@ class Lane:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise dist.DistStoreError(f"wait timeout after {seconds:g}s, keys: {[key]}")
-            time.sleep(min(pause, left))
+            exit_gate.pause(min(pause, left))
             pause = min(pause * 2, FILE_POLL)
         return value
 

@@ -18,8 +18,8 @@ from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
 
+from . import exit_gate, reaper
 from . import keys as K
-from . import reaper
 from .base import (
     DEFAULT_TIMEOUT,
     ControlCollectives,
@@ -630,7 +630,9 @@ class PyStoreCollectives(ControlCollectives):
                 self._raise_abort(op, self._watcher.notice)
             if op.left() <= 0:
                 raise TimeoutError("barrier timeout")
+            exit_gate.checkpoint()  # the process exits: park here, between two calls into torch
             self._watcher.pause(min(pause, op.left()))  # an abort ends the pause
+            exit_gate.checkpoint()
             pause = min(pause * 2, cap)
             counter = lane.peek_quietly(key)
         return counter
