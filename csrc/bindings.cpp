@@ -4,6 +4,7 @@
 #include "arguments.h"
 #include "compat.h"
 #include "errors.h"
+#include "exit_gate.h"
 #include "keys.h"
 #include "store_collectives.h"
 
@@ -225,6 +226,7 @@ void spread(StoreCollectives& s) {
 // Only the error path runs Python code: a call that succeeds costs nothing here.
 template <typename F>
 auto named(StoreCollectives& s, F&& f) -> decltype(f()) {
+  torch_ctrl::exit_gate::Inside inside;  // a collective: its polls park at exit
   try {
     return f();
   } catch (const torch_ctrl::CollectiveTimeout& e) {
@@ -434,8 +436,13 @@ PYBIND11_MODULE(_C, m) {
   });
   main_thread_ident = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   m.def("_set_main_thread", [](unsigned long ident) { main_thread_ident = ident; });
+  torch_ctrl::exit_gate::runs_the_exit = [] { return PyThread_get_thread_ident() == main_thread_ident; };
   m.def("_leave_process", &torch_ctrl::leave_process,
         "The process exits: watchers drain their cleanup and stop, even with callers blocked.");
+  m.def("_parked_threads", &torch_ctrl::exit_gate::parked_threads,
+        "How many threads this process parked at its exit (csrc/exit_gate.h).");
+  m.def("_settle_exit", &torch_ctrl::exit_gate::settle, py::call_guard<py::gil_scoped_release>(),
+        "At exit: wait until the threads polling inside collectives are parked (csrc/exit_gate.h).");
   m.def("_op_prefix", &torch_ctrl::keys::op_prefix, "Key prefix of one collective (for layout tests).");
   m.def("_base_key", &torch_ctrl::base_key, "The store under any PrefixStores, and the key as it sees it.");
   m.def("_connected_to_itself", &torch_ctrl::connected_to_itself,

@@ -1,6 +1,7 @@
 // C++ twin of torch_ctrl/lanes.py.
 #include "lanes.h"
 #include "compat.h"
+#include "exit_gate.h"
 #include "keys.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -488,7 +489,7 @@ std::string Lane::claim(const std::string& key, const std::string& value) {
   double pause = 0.001;
   auto stands = peek(key);
   while (!stands && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::duration<double>(pause));
+    exit_gate::pause(pause);
     pause = std::min(pause * 2, 0.05);
     stands = peek(key);
   }
@@ -568,7 +569,8 @@ void Lane::wait_polled(const std::vector<std::string>& keys, double seconds) {
       msg << "]";
       throw c10::DistStoreError(msg.str());
     }
-    std::this_thread::sleep_for(std::min(std::chrono::duration<double>(pause), std::chrono::duration<double>(deadline - now)));
+    // where the thread parks when the process exits
+    exit_gate::pause(std::min(pause, std::chrono::duration<double>(deadline - now).count()));
     pause = std::min(pause * 2, kFilePoll);
   }
 }
@@ -664,7 +666,8 @@ std::string Lane::get_polled(const std::string& key, double seconds) {
       msg << "wait timeout after " << seconds << "s, keys: ['" << key << "']";
       throw c10::DistStoreError(msg.str());
     }
-    std::this_thread::sleep_for(std::min(std::chrono::duration<double>(pause), std::chrono::duration<double>(deadline - now)));
+    // where the thread parks when the process exits
+    exit_gate::pause(std::min(pause, std::chrono::duration<double>(deadline - now).count()));
     pause = std::min(pause * 2, kFilePoll);
   }
 }

@@ -1,6 +1,7 @@
 // C++ twin of torch_ctrl/store_collectives.py; docs/protocol.md is the contract.
 #include "store_collectives.h"
 #include "errors.h"
+#include "exit_gate.h"
 #include "keys.h"
 
 #include <c10/util/Exception.h>
@@ -652,7 +653,9 @@ std::optional<std::string> StoreCollectives::until_counted(const Op& op, Lane& l
     if (op.left() <= 0) {
       throw std::runtime_error("barrier timeout");
     }
+    exit_gate::checkpoint();  // the process exits: park here, between two calls into torch
     watcher_->pause(std::min(pause, op.left()));  // an abort ends the pause
+    exit_gate::checkpoint();
     pause = std::min(pause * 2, cap);
     counter = lane.peek_quietly(key);
   }

@@ -64,7 +64,21 @@ for r in range(2):
     threading.Thread(target=rank, args=(r,), daemon=True).start()
 ready.wait()
 time.sleep(0.5)  # the barriers are blocked and heartbeats flow (not synchronization: any time works)
+
+
+class Late:  # says, once the atexit hooks ran, how many threads were parked
+    def __init__(self):
+        self.cycle = self  # collected by the finalizing interpreter, not before
+        self.parked = torch_ctrl._C._parked_threads if sys.argv[1] == "cpp" else torch_ctrl.exit_gate.parked
+        self.write = os.write
+
+    def __del__(self):
+        self.write(1, f"parked at exit: {self.parked()}\\n".encode())
+
+
+late = Late()
 print("main exits", flush=True)
+del late
 """
 
 # The store's server goes away while the interpreter finalizes (its holder is collected by
@@ -221,10 +235,17 @@ def _assert_clean(results: list[subprocess.CompletedProcess]) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("store", POLLED_STORES)
 @pytest.mark.parametrize("impl", IMPL_LIST)
 def test_exit_with_daemon_threads_blocked_in_a_collective(tmp_path: Path, impl: str, store: str) -> None:
-    _assert_clean(_run_many(tmp_path, BLOCKED_AT_EXIT, impl, RUNS, store))
+    results = _run_many(tmp_path, BLOCKED_AT_EXIT, impl, RUNS, store)
+    _assert_clean(results)
+    if store == "file":
+        # Both ranks poll the FileStore: each parked at a pause before the interpreter
+        # finalized. Left polling, the C++ twin's threads called into torch through finalization
+        # and static destruction (one SIGSEGV in 36 runs on torch 2.6).
+        for res in results:
+            assert "parked at exit: 2\n" in res.stdout, res.stdout
 
 
 @pytest.mark.timeout(240)

@@ -18,6 +18,7 @@ import torch  # noqa: F401 - loads libtorch before the extension
 import torch.distributed as dist
 
 from . import _C  # type: ignore[attr-defined]
+from . import exit_gate as _exit_gate
 from .base import (
     DEFAULT_TIMEOUT,
     METHODS,
@@ -57,6 +58,8 @@ def _close_all() -> None:
     """Stop background threads before the interpreter finalizes (they may call into Python
     stores), even while a thread is still blocked in a collective: see watcher._stop_all."""
     _C._leave_process()
+    # Threads polling the store inside a collective park at their next pause (csrc/exit_gate.h).
+    _C._settle_exit(_exit_gate.QUIET, _exit_gate.BOUND)
     for coll in list(_LIVE):
         if getattr(coll, "_owner", None) == os.getpid():
             coll.close(flush_timeout=2.0)

@@ -12,7 +12,8 @@ blocks on a lock nobody releases, outside any C++ frame, and goes with the proce
 A thread that waits for other ranks by polling the store (on a FileStore, and on a TCPStore
 client shared by every caller: torch 2.6 and 2.7 under PrefixStores) is never blocked in torch:
 it calls into torch again after every pause. It pauses through :func:`pause`, which parks it
-there, between two calls, once the process exits.
+there, between two calls, once the process exits. The C++ implementation's polling threads do
+the same in ``csrc/exit_gate.h``, this module's twin.
 
 :func:`settle` then waits until threads stop entering and leaving collectives and pausing
 between polls (``QUIET`` seconds without any of these, at most ``BOUND`` seconds; the pauses
@@ -48,10 +49,17 @@ _EVENTS = itertools.count()
 _last_event = 0
 _closed = False
 _settling_thread: int | None = None
+_PARKED: list[int] = []  # list.append: atomic, unlike a counter's += between threads
+
+
+def parked() -> int:
+    """How many threads this process parked at its exit (for tests and diagnostics)."""
+    return len(_PARKED)
 
 
 def _park() -> None:
     """Block the calling thread for good (never the one running the exit)."""
+    _PARKED.append(threading.get_ident())
     gate = threading.Lock()
     gate.acquire()
     gate.acquire()  # nobody releases it
@@ -154,6 +162,7 @@ def _forked() -> None:
     # The parent's threads are not in the child; a fork during the exit leaves the child open.
     global _closed, _settling_thread
     _INSIDE.clear()
+    _PARKED.clear()
     _closed, _settling_thread = False, None
 
 
