@@ -742,7 +742,10 @@ def test_an_op_on_a_frozen_server_fails_soon_after_its_deadline_naming_the_serve
             text = str(exc)
             assert "\n" not in text, text
             said = f"the store's server {HOST}:{port} did not answer for {reaper.GRACE:g}s past the op's deadline"
-            assert said in text, text
+            # An op that had to open a connection (its pooled one busy; seen once on torch 2.6
+            # under a PrefixStore) gives that connection half its time left, and says so.
+            opened = re.escape(f"the store's server {HOST}:{port} did not answer within ") + r"[0-9.]+s "
+            assert said in text or re.search(opened, text), text
             # Not before the deadline (the server may only be slow), and soon after its grace.
             assert 3 <= took < 3 + reaper.GRACE + 5, (name, took)
         # Both lanes were dropped: an op now needs a new connection, whose first read torch
