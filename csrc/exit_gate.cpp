@@ -2,10 +2,11 @@
 #include "exit_gate.h"
 #include "watcher.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <pthread.h>
 #include <cstdint>
 #include <thread>
 

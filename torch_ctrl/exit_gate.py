@@ -99,13 +99,9 @@ def pause(seconds: float) -> None:
     exits, the thread parks here instead (before the pause or after it), outside any call into
     torch; each such pause counts as activity for :func:`settle`, so a thread polling for other
     ranks is parked before settle() returns. Elsewhere (a watcher's retries) a plain sleep."""
-    ident = threading.get_ident()
-    if ident not in _INSIDE or ident == _settling_thread:
-        time.sleep(seconds)
-        return
-    _checkpoint(ident)
+    checkpoint()
     time.sleep(seconds)
-    _checkpoint(ident)
+    checkpoint()
 
 
 def checkpoint() -> None:
