@@ -55,7 +55,11 @@ Inside::~Inside() {
 }
 
 void checkpoint() {
-  events.fetch_add(1);
+  // Only a thread inside a collective counts as activity for settle() (as in the Python twin):
+  // a watcher polling at exit must not hold settle() to its bound.
+  if (depth > 0) {
+    events.fetch_add(1);
+  }
   if (may_park()) {
     park();
   }

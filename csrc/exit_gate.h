@@ -33,14 +33,16 @@ class Inside {
 void pause(double seconds);
 
 // Between two calls into torch in a collective that waits by other means than pause():
-// parks the thread once the process exits.
+// parks the thread once the process exits. Inside a collective it counts as activity for
+// settle(); elsewhere (a watcher's polls) it does nothing.
 void checkpoint();
 
 // How many threads this process parked at its exit (twin of parked()).
 int64_t parked_threads();
 
 // At exit, after leave_process(): waits until every thread inside a collective is parked, or
-// none has paused for `quiet` seconds (the rest are blocked in a call), at most `bound` seconds.
+// none inside one has paused for `quiet` seconds (the rest are blocked in a call), at most
+// `bound` seconds.
 void settle(double quiet, double bound);
 
 } // namespace torch_ctrl::exit_gate
