@@ -68,11 +68,17 @@ def test_abort_on_error_reraises_the_callers_exception_when_the_store_is_down(
         server.kill()
     mine = KeyError("missing shard 7")
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="torch_ctrl"):
-        with pytest.raises(KeyError) as info:
-            with coll.abort_on_error():
-                raise mine
-    took = time.monotonic() - start
+    try:
+        with caplog.at_level(logging.WARNING, logger="torch_ctrl"):
+            with pytest.raises(KeyError) as info:
+                with coll.abort_on_error():
+                    raise mine
+        took = time.monotonic() - start
+    finally:
+        # Stop the instance's watcher now: left to a later collection, it would go on dialing
+        # the dead server's port, which a later test's server may have taken by then (its
+        # cleanup would then reach that test's store, whose keys may have the same names).
+        coll.close(flush_timeout=0)
     assert info.value is mine and info.value.args == ("missing shard 7",)
     assert info.value.__context__ is None and info.value.__cause__ is None  # no store error chained
     assert took < 2.0 + 1.5, took  # the bound, plus scheduling on a loaded machine
